@@ -1,0 +1,271 @@
+"""The EAGLE-3 drafter, all of it in this file (reference/eagle3-spec.md §1, §2).
+
+    h0 = fc(cat(aux))                                   # [B, T, n_aux·H_t] → [B, T, H], once per sequence
+    step(k):  a = cat(input_layernorm(embed(x)), hidden_norm(h))          # [B, T, 2H], embedding first
+              h = h + o_proj(attn(a))  ;  h = h + mlp(post_attention_layernorm(h))   # pre-norm state, fed back
+              logits = lm_head(norm(h))                 # [B, T, Vd] draft-vocab logits; target id = i + d2t[i]
+
+Module names equal the EAGLE/SpecForge checkpoint names, so export is the state dict minus the frozen embedding.
+The attention of step k sees step-0 keys causally plus, for each earlier step j ≥ 1, only the key at the same
+index (the training-time-test structure of spec §4.3, which is also what serving does).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.layout import Layout
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # target vocabulary V
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int
+    num_aux: int
+    rope_theta: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int = 3) -> DrafterConfig:
+        c = target_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_hidden_size=c.hidden_size,
+            num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
+        )
+
+    def eagle_config(self, layout: Layout, dtype: str) -> dict[str, Any]:
+        """config.json in the EAGLE/SpecForge layout that vLLM and SGLang load (spec §2.2)."""
+        cfg: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "norm_before_residual": False,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "torch_dtype": dtype,
+            "eyas_layout": layout.to_dict(),
+        }
+        if self.target_hidden_size != self.hidden_size:
+            cfg["target_hidden_size"] = self.target_hidden_size
+        if not layout.is_default:
+            # Per-engine numbering (spec §3.4): vLLM reads top-level input-to ids, SGLang eagle_config output-of ids.
+            cfg["eagle_aux_hidden_state_layer_ids"] = layout.vllm_ids
+            cfg["eagle_config"] = {"use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": layout.sglang_ids}
+        return cfg
+
+    @classmethod
+    def from_eagle_config(cls, cfg: dict[str, Any]) -> DrafterConfig:
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), num_aux=3,
+            rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=cfg["max_position_embeddings"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, position_ids):  # x [B, h, T, hd], position_ids [B, T]
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq  # [B, 1, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+
+class TTTCache:
+    """Post-RoPE keys/values per step. Step 0 holds the context (causal); step j ≥ 1 holds one key per query
+    index (the diagonal). In training every step covers all T indices; in decoding steps ≥ 1 cover the last."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size  # cat(embeds, hidden)
+        self.q_proj = nn.Linear(width, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.rotary = Rotary(self.hd, cfg.rope_theta)
+
+    def forward(self, a, position_ids, cache: TTTCache):
+        B, Tq, _ = a.shape
+        q = self.q_proj(a).view(B, Tq, self.nh, self.hd).transpose(1, 2)  # [B, nh, Tq, hd]
+        k = self.k_proj(a).view(B, Tq, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, Tq, hd]
+        v = self.v_proj(a).view(B, Tq, self.nkv, self.hd).transpose(1, 2)
+        q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, nh, Tq, hd]
+        cache.keys.append(k)
+        cache.values.append(v)
+        if len(cache.keys) == 1:  # step 0: plain causal attention over the context
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = self._ttt_attention(q, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.hd))
+
+    def _ttt_attention(self, q, cache: TTTCache):
+        k0, v0 = cache.keys[0], cache.values[0]  # [B, nh, T0, hd]
+        Tq, T0 = q.shape[2], k0.shape[2]
+        scale = 1.0 / math.sqrt(self.hd)
+        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, Tq, T0]
+        q_idx = torch.arange(T0 - Tq, T0, device=q.device)  # queries are the last Tq step-0 indices
+        causal = torch.arange(T0, device=q.device)[None, :] <= q_idx[:, None]  # [Tq, T0]
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        kd = torch.stack(cache.keys[1:], dim=-2)  # [B, nh, Tq, j, hd] — same-index keys of steps 1..j
+        vd = torch.stack(cache.values[1:], dim=-2)
+        sd = (q.unsqueeze(-2) * kd).sum(-1) * scale  # [B, nh, Tq, j]
+        p = torch.softmax(torch.cat([s0, sd], dim=-1).float(), dim=-1).to(q.dtype)
+        return p[..., :T0] @ v0 + (p[..., T0:].unsqueeze(-1) * vd).sum(-2)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # embeddings only
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # hidden stream only
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, position_ids, cache):
+        residual = hidden  # norm_before_residual = false
+        a = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        h = residual + self.self_attn(a, position_ids, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.requires_grad_(False)  # always the target's, frozen (SGLang substitutes it anyway)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def project(self, aux):  # [B, T, n_aux·H_t] → [B, T, H]
+        return self.fc(aux)
+
+    def step(self, input_ids, hidden, position_ids, cache: TTTCache):
+        """One draft step: returns the pre-norm hidden state [B, T, H] (fed back to the next step)."""
+        return self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, cache)
+
+    def logits(self, hidden):  # [B, T, H] → [B, T, Vd]
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, used_ids: torch.Tensor) -> None:
+        """Install d2t/t2d for an ascending list of the Vd target ids the draft vocabulary keeps (spec §5)."""
+        used = used_ids.to(torch.int64)
+        assert used.numel() == self.cfg.draft_vocab_size, (used.numel(), self.cfg.draft_vocab_size)
+        assert bool((used[1:] > used[:-1]).all()), "draft vocabulary ids must be ascending and distinct"
+        self.d2t.copy_(used - torch.arange(used.numel()))
+        self.t2d.zero_()
+        self.t2d[used] = True
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything the checkpoint carries: all weights but the frozen embedding, plus d2t/t2d."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[Drafter, dict]:
+    """THE checkpoint loader: an EAGLE-layout directory (config.json + model.safetensors) → Drafter.
+
+    `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (spec §2.1).
+    """
+    from safetensors.torch import load_file
+
+    cfg_json = json.loads((Path(path) / "config.json").read_text())
+    cfg = DrafterConfig.from_eagle_config(cfg_json)
+    model = Drafter(cfg)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    state = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in state.items()}
+    state["embed_tokens.weight"] = embed_weight
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    model.to(dtype)
+    return model.eval(), cfg_json

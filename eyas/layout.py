@@ -1,0 +1,142 @@
+"""The layout contract — the ONE place that says which target tensors a drafter is trained on and served with.
+
+Internally layers are physical boundaries out(i): the residual stream after 0-indexed decoder layer i, before the
+final norm (= Hugging Face `hidden_states[i+1]`). The default aux layers are out(1), out(L//2-1), out(L-4),
+concatenated in ascending order; that equals vLLM's and SGLang's default capture ids in(2), in(L//2), in(L-3).
+Engines number layers differently (reference/eagle3-spec.md §3):
+  vLLM   ids from the draft config mean "input to layer k":  k = i + 1  (no offset applied by vLLM)
+  SGLang ids from the draft config mean "output of layer k": k = i      (SGLang adds 1 itself)
+The training label is the target's final post-norm hidden state; the target's lm_head turns it into logits.
+Every features and drafter manifest records a Layout; every reader checks it with `check_layout`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+LAYOUT_VERSION = 1
+
+# Tensor names inside a feature shard (safetensors). T = tokens in the shard, S = samples.
+INPUT_IDS = "input_ids"  # [T] int32
+LOSS_MASK = "loss_mask"  # [T] uint8, 1 = token the drafter learns (assistant reasoning + answer + end of turn)
+AUX_HIDDEN = "aux_hidden"  # [T, n_aux·H] bf16, cat([out(i) for i in aux_layers]) ascending
+FINAL_HIDDEN = "final_hidden"  # [T, H] bf16, target's final norm output (label source)
+OFFSETS = "offsets"  # [S+1] int64, sample s spans tokens offsets[s]:offsets[s+1]
+FEATURE_TENSORS = (INPUT_IDS, LOSS_MASK, AUX_HIDDEN, FINAL_HIDDEN, OFFSETS)
+
+
+class LayoutMismatch(ValueError):
+    """Raised with a reason that names the field and both values."""
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Physical out(i) ids of the engines' shared default: out(1), out(L//2-1), out(L-4)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+@dataclass(frozen=True)
+class Layout:
+    target: str  # target model id (path or bundled name)
+    target_config_hash: str
+    tokenizer_hash: str  # tokenizer vocab + chat template
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layers: tuple[int, ...]  # physical out(i), ascending
+    dtype: str = "bfloat16"
+    convention: str = "out"  # aux_layers are out(i): residual stream after layer i
+    concat_order: str = "ascending"
+    label: str = "final_norm"  # FINAL_HIDDEN is post-norm; apply lm_head only
+    layout_version: int = LAYOUT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        aux = tuple(int(i) for i in self.aux_layers)
+        object.__setattr__(self, "aux_layers", aux)
+        if list(aux) != sorted(set(aux)):
+            raise LayoutMismatch(f"aux_layers must be distinct and ascending, got {list(aux)}")
+        if aux and (aux[0] < 0 or aux[-1] >= self.num_layers):
+            raise LayoutMismatch(f"aux_layers {list(aux)} outside out(0)..out({self.num_layers - 1})")
+
+    @property
+    def is_default(self) -> bool:
+        return self.aux_layers == default_aux_layers(self.num_layers)
+
+    @property
+    def vllm_ids(self) -> list[int]:
+        """What to write as vLLM `eagle_aux_hidden_state_layer_ids` (input-to-layer-k numbering)."""
+        return [i + 1 for i in self.aux_layers]
+
+    @property
+    def sglang_ids(self) -> list[int]:
+        """What to write as SGLang `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of numbering)."""
+        return list(self.aux_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_layers"] = list(self.aux_layers)
+        d.pop("extra")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "extra"}
+        return cls(**known)
+
+
+# Fields that must agree for a drafter trained on one layout to be valid for another.
+_CHECKED = ("layout_version", "target_config_hash", "tokenizer_hash", "num_layers", "hidden_size", "vocab_size",
+            "aux_layers", "convention", "concat_order", "label")
+
+
+def check_layout(expected: Layout, actual: Layout, what: str = "features") -> None:
+    """Refuse `actual` unless it matches `expected` in every field that changes what the tensors mean."""
+    for name in _CHECKED:
+        want, got = getattr(expected, name), getattr(actual, name)
+        if want != got:
+            raise LayoutMismatch(f"{what} layout differs in {name}: expected {want!r}, got {got!r}")
+
+
+def vllm_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[int]:
+    """Physical out(i) layers vLLM concatenates for this draft config (ids are in(k) = out(k-1); id 0 = embedding).
+
+    Returns -1 for the embedding output. Mirrors vLLM's `_get_eagle3_aux_layers_from_config`: top-level ids, then
+    `eagle_config`, else the per-architecture default (2, L//2, L-3). vLLM concatenates in ascending layer order.
+    """
+    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = [2, num_layers // 2, num_layers - 3]
+    return sorted(int(k) - 1 for k in ids)
+
+
+def sglang_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[int]:
+    """Physical out(i) layers SGLang concatenates: ids from `eagle_config` mean out(id) (it captures in(id+1));
+    with no ids it captures in(2), in(L//2), in(L-3). Newer SGLang (PR #25454) adds the +1 only when ids[0] == 1."""
+    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return [1, num_layers // 2 - 1, num_layers - 4]
+    ids = [int(k) for k in ids]
+    if ids[0] != 1:
+        raise LayoutMismatch(
+            f"SGLang aux ids {ids} do not start at 1: SGLang versions disagree on their offset (PR #25454); "
+            "pin the SGLang version before serving this drafter there"
+        )
+    return sorted(ids)
+
+
+def describe(layers: list[int]) -> list[str]:
+    return ["embed" if i < 0 else f"out({i})" for i in layers]
+
+
+def check_serving(layout: Layout, draft_config: dict[str, Any], engine: str) -> list[int]:
+    """Refuse a draft config that would make `engine` feed the drafter other tensors than it was trained on."""
+    capture = {"vllm": vllm_capture_layers, "sglang": sglang_capture_layers}[engine]
+    served = capture(draft_config, layout.num_layers)
+    if served != list(layout.aux_layers):
+        raise LayoutMismatch(
+            f"{engine} would concatenate {describe(served)} but the drafter was trained on "
+            f"{describe(list(layout.aux_layers))}"
+        )
+    return served

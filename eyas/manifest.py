@@ -1,0 +1,105 @@
+"""Artifact manifests: what produced an artifact, from what, how many, and a sha256 per file.
+
+The manifest is written last, so its presence is the commit marker: an artifact without one is incomplete, and
+readers refuse it. A redelivered task that finds a manifest at its deterministic prefix does not write again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from eyas.store import Artifact
+
+MANIFEST = "manifest.json"
+
+
+class FileEntry(BaseModel):
+    sha256: str
+    bytes: int
+
+
+class Manifest(BaseModel):
+    kind: str  # dataset | features | drafter | report | prompts
+    id: str
+    created_at: float = Field(default_factory=time.time)
+    code_version: str = Field(default_factory=lambda: code_version())
+    job_spec: dict[str, Any] = {}
+    inputs: list[str] = []
+    counts: dict[str, int] = {}
+    files: dict[str, FileEntry] = {}
+    layout: dict[str, Any] | None = None
+    extra: dict[str, Any] = {}
+
+
+class IncompleteArtifact(RuntimeError):
+    pass
+
+
+@lru_cache
+def code_version() -> str:
+    from eyas import __version__
+
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        sha = ""
+    return f"{__version__}+{sha}" if sha else __version__
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ArtifactWriter:
+    """Uploads files under an artifact prefix, hashing each, then commits the manifest."""
+
+    def __init__(self, artifact: Artifact):
+        self.artifact = artifact
+        self.files: dict[str, FileEntry] = {}
+
+    def put_file(self, name: str, path: Path) -> None:
+        self.files[name] = FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
+        self.artifact.put_file(name, path)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self.files[name] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        self.artifact.put_bytes(name, data)
+
+    def commit(self, manifest: Manifest) -> Manifest:
+        manifest.files = dict(sorted({**manifest.files, **self.files}.items()))
+        self.artifact.put_bytes(MANIFEST, manifest.model_dump_json(indent=2).encode())
+        return manifest
+
+
+def read_manifest(artifact: Artifact, kind: str | None = None) -> Manifest:
+    if not artifact.exists(MANIFEST):
+        raise IncompleteArtifact(f"{artifact.uri} has no {MANIFEST}: it is missing or was never completed")
+    manifest = Manifest.model_validate(json.loads(artifact.get_bytes(MANIFEST)))
+    if kind and manifest.kind != kind:
+        raise IncompleteArtifact(f"{artifact.uri} is a {manifest.kind!r} artifact, expected {kind!r}")
+    return manifest
+
+
+def fetch_verified(artifact: Artifact, manifest: Manifest, name: str, dest: Path) -> Path:
+    """Download one file of an artifact and check it against the manifest's sha256."""
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise IncompleteArtifact(f"{artifact.uri}: {name!r} is not listed in its manifest")
+    artifact.get_file(name, dest)
+    if sha256_file(dest) != entry.sha256:
+        raise IncompleteArtifact(f"{artifact.uri}/{name}: sha256 differs from the manifest (truncated or altered)")
+    return dest

@@ -1,0 +1,42 @@
+"""Typed settings, loaded once from the environment (prefix EYAS_) — see `get_settings()`."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EYAS_", env_file=".env", env_ignore_empty=True, extra="ignore")
+
+    # embedded: local directory store, SQLite jobs, in-process tasks. service: S3 + Redis + Celery workers.
+    mode: Literal["embedded", "service"] = "embedded"
+    workdir: Path = Path("eyas-work")  # embedded store, job DB and caches live here
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "eyas")  # converted bundled target
+
+    # object store (service mode): any S3 server — MinIO in compose, SeaweedFS in tests
+    s3_endpoint: str = "127.0.0.1:9000"
+    s3_access_key: str = "eyas"
+    s3_secret_key: SecretStr = SecretStr("eyas-secret")
+    s3_secure: bool = False
+    s3_bucket: str = "eyas"
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Must outlast the longest task, or Redis redelivers a task that is still running.
+    visibility_timeout_s: int = 6 * 3600
+    # How often a worker sweeps for unacked tasks of dead workers (kombu's default is ~100 s).
+    unacked_restore_interval_s: float = 2.0
+
+    api_key: SecretStr | None = None  # bearer key for every API when set
+
+    @property
+    def store_root(self) -> Path:
+        return self.workdir / "store"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

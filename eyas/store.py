@@ -1,0 +1,202 @@
+"""Object store: one interface, two backends (local directory for embedded mode, S3 via `minio`).
+
+Readers never see a partial object: the local backend writes to a temp file and renames it into place; S3 makes an
+object visible only once its upload completes. Artifacts are addressed by URI:
+  s3://BUCKET/PREFIX      an S3 prefix on the configured endpoint
+  file://DIR or DIR       a local directory
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+from eyas.keys import safe_key
+from eyas.settings import Settings, get_settings
+
+
+class ObjectStore(Protocol):
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def put_file(self, key: str, path: Path) -> None: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def get_file(self, key: str, path: Path) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete_prefix(self, prefix: str) -> None: ...
+    def uri(self, prefix: str) -> str: ...
+    def ping(self) -> None: ...
+
+
+class LocalStore:
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+
+    def _path(self, key: str) -> Path:
+        return self.root / safe_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, path: Path) -> None:
+        with open(path, "rb") as src:
+            self._atomic_write(key, lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+    def _atomic_write(self, key: str, write) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def get_file(self, key: str, path: Path) -> None:
+        shutil.copyfile(self._path(key), path)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.endswith(".part")
+        )
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def uri(self, prefix: str) -> str:
+        return (self.root / safe_key(prefix)).as_uri() if prefix else self.root.as_uri()
+
+    def ping(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+
+class S3Store:
+    def __init__(self, settings: Settings, bucket: str | None = None):
+        from minio import Minio
+
+        self.bucket = bucket or settings.s3_bucket
+        self.client = Minio(
+            settings.s3_endpoint,
+            access_key=settings.s3_access_key,
+            secret_key=settings.s3_secret_key.get_secret_value(),
+            secure=settings.s3_secure,
+        )
+
+    def ensure_bucket(self) -> None:
+        if not self.client.bucket_exists(self.bucket):
+            self.client.make_bucket(self.bucket)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(self.bucket, safe_key(key), io.BytesIO(data), len(data))
+
+    def put_file(self, key: str, path: Path) -> None:
+        self.client.fput_object(self.bucket, safe_key(key), str(path))
+
+    def get_bytes(self, key: str) -> bytes:
+        resp = self.client.get_object(self.bucket, safe_key(key))
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def get_file(self, key: str, path: Path) -> None:
+        self.client.fget_object(self.bucket, safe_key(key), str(path))
+
+    def exists(self, key: str) -> bool:
+        from minio.error import S3Error
+
+        try:
+            self.client.stat_object(self.bucket, safe_key(key))
+            return True
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket"):
+                return False
+            raise
+
+    def list(self, prefix: str) -> list[str]:
+        p = safe_key(prefix) + "/" if prefix else ""
+        return sorted(o.object_name for o in self.client.list_objects(self.bucket, prefix=p, recursive=True))
+
+    def delete_prefix(self, prefix: str) -> None:
+        from minio.deleteobjects import DeleteObject
+
+        errors = self.client.remove_objects(self.bucket, [DeleteObject(k) for k in self.list(prefix)])
+        for err in errors:
+            raise RuntimeError(f"could not delete {err.name}: {err.message}")
+
+    def uri(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{safe_key(prefix)}" if prefix else f"s3://{self.bucket}"
+
+    def ping(self) -> None:
+        self.client.bucket_exists(self.bucket)
+
+
+class Artifact:
+    """A store plus the prefix an artifact lives under; keys given to it are relative to the prefix."""
+
+    def __init__(self, store: ObjectStore, prefix: str = ""):
+        self.store = store
+        self.prefix = safe_key(prefix) if prefix else ""
+
+    def key(self, name: str) -> str:
+        return safe_key(self.prefix, name)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self.store.put_bytes(self.key(name), data)
+
+    def put_file(self, name: str, path: Path) -> None:
+        self.store.put_file(self.key(name), path)
+
+    def get_bytes(self, name: str) -> bytes:
+        return self.store.get_bytes(self.key(name))
+
+    def get_file(self, name: str, path: Path) -> None:
+        self.store.get_file(self.key(name), path)
+
+    def exists(self, name: str) -> bool:
+        return self.store.exists(self.key(name))
+
+    def names(self) -> list[str]:
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        return [k[cut:] for k in self.store.list(self.prefix)]
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.prefix)
+
+
+def default_store(settings: Settings | None = None) -> ObjectStore:
+    settings = settings or get_settings()
+    if settings.mode == "service":
+        return S3Store(settings)
+    return LocalStore(settings.store_root)
+
+
+def open_artifact(uri: str, settings: Settings | None = None) -> Artifact:
+    """Resolve an artifact URI (s3://bucket/prefix, file://dir or a plain directory path)."""
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        return Artifact(S3Store(settings or get_settings(), bucket=bucket), prefix)
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        uri = unquote(urlparse(uri).path)
+    return Artifact(LocalStore(Path(uri)), "")

