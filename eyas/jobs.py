@@ -9,6 +9,8 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -64,24 +66,30 @@ def new_job_id(stage: str) -> str:
 class JobStore(Protocol):
     def put(self, job: JobRecord) -> None: ...
     def get(self, job_id: str) -> JobRecord: ...
-    def list(self, stage: str | None = None, limit: int = 100) -> list[JobRecord]: ...
+    def mutate(self, job_id: str, change: Callable[[JobRecord], JobRecord]) -> JobRecord: ...
+    def list(self, stage: str | None = None, limit: int = 100, state: str | None = None) -> list[JobRecord]: ...
+    def counts(self) -> dict[tuple[str, str], int]: ...
     def ping(self) -> None: ...
 
 
+def _changed(job: JobRecord, fields: dict[str, Any]) -> JobRecord:
+    return JobRecord.model_validate({**job.model_dump(), **fields, "updated_at": time.time()})
+
+
 def transition(store: JobStore, job_id: str, state: State, **fields: Any) -> JobRecord:
-    """Move a job to `state`, refusing moves the state machine does not allow."""
-    job = store.get(job_id)
-    if state not in ALLOWED[job.state]:
-        raise IllegalTransition(f"job {job_id}: {job.state} → {state} is not allowed")
-    job = job.model_copy(update={"state": state, "updated_at": time.time(), **fields})
-    store.put(job)
-    return job
+    """Move a job to `state`, refusing moves the state machine does not allow. Atomic (read-check-write in one
+    step), so a worker's progress write and an API's cancel never overwrite each other."""
+
+    def change(job: JobRecord) -> JobRecord:
+        if state not in ALLOWED[job.state]:
+            raise IllegalTransition(f"job {job_id}: {job.state} → {state} is not allowed")
+        return _changed(job, {**fields, "state": state})
+
+    return store.mutate(job_id, change)
 
 
 def update(store: JobStore, job_id: str, **fields: Any) -> JobRecord:
-    job = store.get(job_id).model_copy(update={"updated_at": time.time(), **fields})
-    store.put(job)
-    return job
+    return store.mutate(job_id, lambda job: _changed(job, fields))
 
 
 class SqliteJobStore:
@@ -94,27 +102,56 @@ class SqliteJobStore:
             "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, stage TEXT, created REAL, body TEXT)"
         )
 
-    def put(self, job: JobRecord) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO jobs (id, stage, created, body) VALUES (?, ?, ?, ?)",
-                (job.id, job.stage, job.created_at, job.model_dump_json()),
-            )
+    def _write(self, job: JobRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO jobs (id, stage, created, body) VALUES (?, ?, ?, ?)",
+            (job.id, job.stage, job.created_at, job.model_dump_json()),
+        )
 
-    def get(self, job_id: str) -> JobRecord:
-        with self._lock:
-            row = self._db.execute("SELECT body FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    def _read(self, job_id: str) -> JobRecord:
+        row = self._db.execute("SELECT body FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise JobNotFound(job_id)
         return JobRecord.model_validate_json(row[0])
 
-    def list(self, stage: str | None = None, limit: int = 100) -> list[JobRecord]:
-        q, args = "SELECT body FROM jobs", ()
+    def put(self, job: JobRecord) -> None:
+        with self._lock:
+            self._write(job)
+
+    def get(self, job_id: str) -> JobRecord:
+        with self._lock:
+            return self._read(job_id)
+
+    def mutate(self, job_id: str, change: Callable[[JobRecord], JobRecord]) -> JobRecord:
+        with self._lock:  # threads of this process; BEGIN IMMEDIATE: other processes on the same file
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                job = change(self._read(job_id))
+                self._write(job)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return job
+
+    def list(self, stage: str | None = None, limit: int = 100, state: str | None = None) -> list[JobRecord]:
+        where, args = [], []
         if stage:
-            q, args = q + " WHERE stage = ?", (stage,)
+            where.append("stage = ?")
+            args.append(stage)
+        if state:
+            where.append("json_extract(body, '$.state') = ?")
+            args.append(state)
+        q = "SELECT body FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
         with self._lock:
             rows = self._db.execute(q + " ORDER BY created DESC LIMIT ?", (*args, limit)).fetchall()
         return [JobRecord.model_validate_json(r[0]) for r in rows]
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT stage, json_extract(body, '$.state'), COUNT(*) FROM jobs GROUP BY 1, 2").fetchall()
+        return {(stage, state): n for stage, state, n in rows}
 
     def ping(self) -> None:
         with self._lock:
@@ -128,11 +165,15 @@ class RedisJobStore:
         self.r = redis.Redis.from_url(url)
         self.ns = namespace
 
-    def put(self, job: JobRecord) -> None:
-        pipe = self.r.pipeline()
+    def _write(self, pipe, job: JobRecord) -> None:
         pipe.set(f"{self.ns}:job:{job.id}", job.model_dump_json())
         pipe.zadd(f"{self.ns}:jobs:{job.stage}", {job.id: job.created_at})
         pipe.zadd(f"{self.ns}:jobs", {job.id: job.created_at})
+        pipe.hset(f"{self.ns}:states", job.id, f"{job.stage}:{job.state}")  # for counts()
+
+    def put(self, job: JobRecord) -> None:
+        pipe = self.r.pipeline()
+        self._write(pipe, job)
         pipe.execute()
 
     def get(self, job_id: str) -> JobRecord:
@@ -141,10 +182,39 @@ class RedisJobStore:
             raise JobNotFound(job_id)
         return JobRecord.model_validate(json.loads(raw))
 
-    def list(self, stage: str | None = None, limit: int = 100) -> list[JobRecord]:
+    def mutate(self, job_id: str, change: Callable[[JobRecord], JobRecord]) -> JobRecord:
+        import redis
+
+        key = f"{self.ns}:job:{job_id}"
+        with self.r.pipeline() as pipe:
+            while True:  # optimistic: retry if another process wrote the job between our read and write
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        raise JobNotFound(job_id)
+                    job = change(JobRecord.model_validate(json.loads(raw)))
+                    pipe.multi()
+                    self._write(pipe, job)
+                    pipe.execute()
+                    return job
+                except redis.WatchError:
+                    continue
+
+    def list(self, stage: str | None = None, limit: int = 100, state: str | None = None) -> list[JobRecord]:
         key = f"{self.ns}:jobs:{stage}" if stage else f"{self.ns}:jobs"
-        ids = [i.decode() for i in self.r.zrevrange(key, 0, limit - 1)]
-        return [self.get(i) for i in ids]
+        out: list[JobRecord] = []
+        start, page = 0, max(limit, 100)
+        while len(out) < limit:
+            ids = [i.decode() for i in self.r.zrevrange(key, start, start + page - 1)]
+            if not ids:
+                break
+            out += [j for j in map(self.get, ids) if state is None or j.state == state]
+            start += page
+        return out[:limit]
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        return dict(Counter(tuple(v.decode().split(":", 1)) for v in self.r.hvals(f"{self.ns}:states")))
 
     def ping(self) -> None:
         self.r.ping()

@@ -7,7 +7,10 @@ Engines number layers differently (reference/eagle3-spec.md §3):
   vLLM   ids from the draft config mean "input to layer k":  k = i + 1  (no offset applied by vLLM)
   SGLang ids from the draft config mean "output of layer k": k = i      (SGLang adds 1 itself)
 The training label is the target's final post-norm hidden state; the target's lm_head turns it into logits.
-Every features and drafter manifest records a Layout; every reader checks it with `check_layout`.
+Layer -1 (EMBED) is the embedding output in(0) (= HF `hidden_states[0]`, vLLM id 0): no default uses it, but a
+drafter trained elsewhere on it can be described and checked.
+Every features and drafter manifest records a Layout; every reader checks it with `check_layout`, and
+`check_serving` says what each engine would actually concatenate for a draft config and why it differs.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ AUX_HIDDEN = "aux_hidden"  # [T, n_aux·H] bf16, cat([out(i) for i in aux_layers
 FINAL_HIDDEN = "final_hidden"  # [T, H] bf16, target's final norm output (label source)
 OFFSETS = "offsets"  # [S+1] int64, sample s spans tokens offsets[s]:offsets[s+1]
 FEATURE_TENSORS = (INPUT_IDS, LOSS_MASK, AUX_HIDDEN, FINAL_HIDDEN, OFFSETS)
+
+
+EMBED = -1  # the embedding output, in(0)
 
 
 class LayoutMismatch(ValueError):
@@ -55,8 +61,8 @@ class Layout:
         object.__setattr__(self, "aux_layers", aux)
         if list(aux) != sorted(set(aux)):
             raise LayoutMismatch(f"aux_layers must be distinct and ascending, got {list(aux)}")
-        if aux and (aux[0] < 0 or aux[-1] >= self.num_layers):
-            raise LayoutMismatch(f"aux_layers {list(aux)} outside out(0)..out({self.num_layers - 1})")
+        if aux and (aux[0] < EMBED or aux[-1] >= self.num_layers):
+            raise LayoutMismatch(f"aux_layers {list(aux)} outside embed (-1), out(0)..out({self.num_layers - 1})")
 
     @property
     def is_default(self) -> bool:
@@ -97,18 +103,34 @@ def check_layout(expected: Layout, actual: Layout, what: str = "features") -> No
             raise LayoutMismatch(f"{what} layout differs in {name}: expected {want!r}, got {got!r}")
 
 
-def vllm_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[int]:
-    """Physical out(i) layers vLLM concatenates for this draft config (ids are in(k) = out(k-1); id 0 = embedding).
+def vllm_view(draft_config: dict[str, Any]) -> dict[str, Any]:
+    """The config vLLM builds from a draft's config.json. A speculators-format config (speculators_model_type) is
+    flattened as vLLM's converter does: transformer_layer_config plus the EAGLE-3 fields, with norm_before_residual
+    defaulting to TRUE when absent and the aux ids copied only when non-empty."""
+    if "speculators_model_type" not in draft_config:
+        return draft_config
+    flat = dict(draft_config.get("transformer_layer_config") or {})
+    flat["draft_vocab_size"] = draft_config.get("draft_vocab_size")
+    if draft_config.get("target_hidden_size") is not None:
+        flat["target_hidden_size"] = draft_config["target_hidden_size"]
+    flat["norm_before_residual"] = draft_config.get("norm_before_residual", True)
+    if draft_config.get("eagle_aux_hidden_state_layer_ids"):
+        flat["eagle_aux_hidden_state_layer_ids"] = draft_config["eagle_aux_hidden_state_layer_ids"]
+    return flat
 
-    Returns -1 for the embedding output. Mirrors vLLM's `_get_eagle3_aux_layers_from_config`: top-level ids, then
-    `eagle_config`, else the per-architecture default (2, L//2, L-3). vLLM concatenates in ascending layer order.
+
+def vllm_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[int]:
+    """Physical out(i) layers vLLM concatenates for this draft config (ids are in(k) = out(k-1); id 0 = embedding,
+    returned as EMBED = -1).
+
+    Mirrors vLLM's `_get_eagle3_aux_layers_from_config`: non-empty top-level ids, else `eagle_config`'s, else the
+    per-architecture default (2, L//2, L-3). The target appends a state when its loop index is in the id set, so
+    vLLM concatenates in ascending layer order, once per layer, and never captures an id above L.
     """
-    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = [2, num_layers // 2, num_layers - 3]
-    return sorted(int(k) - 1 for k in ids)
+    cfg = vllm_view(draft_config)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
+    return sorted({int(k) - 1 for k in ids if 0 <= int(k) <= num_layers})
 
 
 def sglang_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[int]:
@@ -127,16 +149,31 @@ def sglang_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list
 
 
 def describe(layers: list[int]) -> list[str]:
-    return ["embed" if i < 0 else f"out({i})" for i in layers]
+    return ["embed" if i == EMBED else f"out({i})" for i in layers]
+
+
+def mismatch_kind(trained: list[int], served: list[int]) -> str:
+    """Name how a served concatenation differs from the trained one."""
+    if (EMBED in served) != (EMBED in trained):
+        return "embedding included" if EMBED in served else "embedding not served"
+    if len(served) != len(trained):
+        return "wrong number of layers"
+    if sorted(served) == sorted(trained):
+        return "wrong order"
+    shift = {s - t for s, t in zip(served, trained, strict=True)}
+    if shift in ({1}, {-1}):
+        return "off-by-one (one layer deeper)" if shift == {1} else "off-by-one (one layer shallower)"
+    return "wrong layers"
 
 
 def check_serving(layout: Layout, draft_config: dict[str, Any], engine: str) -> list[int]:
     """Refuse a draft config that would make `engine` feed the drafter other tensors than it was trained on."""
     capture = {"vllm": vllm_capture_layers, "sglang": sglang_capture_layers}[engine]
     served = capture(draft_config, layout.num_layers)
-    if served != list(layout.aux_layers):
+    trained = list(layout.aux_layers) if layout.concat_order == "ascending" else list(reversed(layout.aux_layers))
+    if served != trained:
         raise LayoutMismatch(
-            f"{engine} would concatenate {describe(served)} but the drafter was trained on "
-            f"{describe(list(layout.aux_layers))}"
+            f"{mismatch_kind(trained, served)}: {engine} would concatenate {describe(served)} but the drafter "
+            f"was trained on {describe(trained)}"
         )
     return served

@@ -80,7 +80,8 @@ def submit(stage_name: str, spec: dict[str, Any], jobs: JobStore, dispatch: Disp
     return job
 
 
-def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch) -> JobRecord:
+def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
+            output: Artifact | None = None) -> JobRecord:
     job = jobs.get(job_id)
     if job.state in TERMINAL:
         log.info("job %s is already %s; nothing to do", job_id, job.state)
@@ -89,7 +90,7 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
         return transition(jobs, job_id, "cancelled")
     stage = get_stage(job.stage)
     job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
-    output = Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
+    output = output or Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
     ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, output=output)
     try:
         spec = stage.spec_cls.model_validate(job.spec)

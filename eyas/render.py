@@ -83,3 +83,14 @@ def render_conversation(
     if max_length is not None and len(ids) > max_length:
         ids, mask = ids[:max_length], mask[:max_length]
     return Rendered(input_ids=ids, loss_mask=mask, text=text)
+
+
+def render_prompt(tokenizer, messages: list[Message], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation up to and including the assistant generation prompt: what a serving engine feeds
+    the target before it generates (the chat endpoint renders the same text and tokenizes it without specials)."""
+    template = tokenizer.chat_template or ""
+    if not template:
+        raise RenderError("tokenizer has no chat template")
+    msgs = [_template_message(m, template) for m in messages]
+    text = _render_text(tokenizer, msgs, template_kwargs or {}, generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -25,10 +25,13 @@ class Settings(BaseSettings):
     s3_bucket: str = "eyas"
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # Must outlast the longest task, or Redis redelivers a task that is still running.
-    visibility_timeout_s: int = 6 * 3600
-    # How often a worker sweeps for unacked tasks of dead workers (kombu's default is ~100 s).
-    unacked_restore_interval_s: float = 2.0
+    # kombu's Redis transport gives an unacked task to another worker once its delivery is older than this.
+    # A running task renews its delivery every visibility_timeout_s / 6 (eyas.tasks), so this is how long a
+    # task of a dead worker (machine gone, whole worker SIGKILLed) waits before it runs again, not a cap on
+    # task length. (A task whose pool process alone dies is requeued at once: task_reject_on_worker_lost.)
+    visibility_timeout_s: float = Field(60.0, gt=0)
+    # How often each worker sweeps for expired deliveries (kombu's default: every 10 s × throttle 10 = 100 s).
+    unacked_restore_interval_s: float = Field(2.0, gt=0)
 
     api_key: SecretStr | None = None  # bearer key for every API when set
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from eyas.jobs import JobStore, update
+from eyas.jobs import JobStore, Progress, update
 from eyas.settings import Settings
 from eyas.store import Artifact, ObjectStore
 
@@ -58,7 +58,7 @@ class StageContext:
         now = time.monotonic()
         if force or done >= total or now - self._last_progress > 1.0:
             self._last_progress = now
-            job = update(self.jobs, self.job_id, progress={"done": done, "total": total, "unit": unit},
+            job = update(self.jobs, self.job_id, progress=Progress(done=done, total=total, unit=unit),
                          metrics=dict(self.metrics))
             if job.cancel_requested:
                 raise Cancelled(f"job {self.job_id} was cancelled")

@@ -92,6 +92,7 @@ class S3Store:
         from minio import Minio
 
         self.bucket = bucket or settings.s3_bucket
+        self.endpoint = settings.s3_endpoint
         self.client = Minio(
             settings.s3_endpoint,
             access_key=settings.s3_access_key,
@@ -146,7 +147,8 @@ class S3Store:
         return f"s3://{self.bucket}/{safe_key(prefix)}" if prefix else f"s3://{self.bucket}"
 
     def ping(self) -> None:
-        self.client.bucket_exists(self.bucket)
+        if not self.client.bucket_exists(self.bucket):
+            raise RuntimeError(f"bucket {self.bucket!r} does not exist at {self.endpoint}")
 
 
 class Artifact:

@@ -138,3 +138,25 @@ def load_target(target: str = BUNDLED, dtype: torch.dtype = torch.float32, devic
         if not hasattr(model.model, attr):
             raise ValueError(f"target {target!r}: model.model.{attr} missing; only Llama/Qwen-style decoders work")
     return Target(name=target, path=path, model=model, tokenizer=tokenizer)
+
+
+def load_target_head(target: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and lm_head [V, H] (the same tensor when tied), read from its
+    safetensors without building the whole model — the drafter needs the first, its labels the second."""
+    from safetensors import safe_open
+
+    path = resolve_target(target)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(path / weight_map[name]), "pt") as f:
+            return f.get_tensor(name).float()
+
+    embed = read("model.embed_tokens.weight")
+    head = read("lm_head.weight") if "lm_head.weight" in weight_map else embed
+    return embed, head

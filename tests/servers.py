@@ -112,7 +112,7 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-           "--disable-log-requests", "--seed", "0"]
+           "--seed", "0"]
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}

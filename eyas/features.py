@@ -1,0 +1,117 @@
+"""Feature shards: the extractor writes them, the trainer and evaluator read them — through this module only.
+
+A shard is one safetensors file holding several samples back to back (tensor names in eyas.layout):
+  input_ids [T] int32, loss_mask [T] uint8, aux_hidden [T, n_aux·H] bf16, final_hidden [T, H] bf16,
+  offsets [S+1] int64 (sample s = tokens offsets[s]:offsets[s+1]).
+The features manifest carries the layout; `FeatureReader` refuses features whose layout is not the expected one.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.layout import AUX_HIDDEN, FEATURE_TENSORS, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, Layout, check_layout
+from eyas.manifest import Manifest, fetch_verified, read_manifest
+from eyas.store import Artifact
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] int64 (0/1)
+    aux_hidden: torch.Tensor  # [T, n_aux·H]
+    final_hidden: torch.Tensor  # [T, H]
+
+
+class ShardBuffer:
+    """Accumulates samples and flushes a shard file when it passes `max_bytes`."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.samples: list[Sample] = []
+        self.nbytes = 0
+
+    def add(self, s: Sample) -> bool:
+        self.samples.append(s)
+        self.nbytes += s.aux_hidden.numel() * 2 + s.final_hidden.numel() * 2 + s.input_ids.numel() * 5
+        return self.nbytes >= self.max_bytes
+
+    def write(self, path: Path) -> int:
+        lengths = [s.input_ids.numel() for s in self.samples]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        tensors = {
+            INPUT_IDS: torch.cat([s.input_ids for s in self.samples]).to(torch.int32),
+            LOSS_MASK: torch.cat([s.loss_mask for s in self.samples]).to(torch.uint8),
+            AUX_HIDDEN: torch.cat([s.aux_hidden for s in self.samples]).to(torch.bfloat16).contiguous(),
+            FINAL_HIDDEN: torch.cat([s.final_hidden for s in self.samples]).to(torch.bfloat16).contiguous(),
+            OFFSETS: offsets,
+        }
+        save_file(tensors, str(path))
+        n = len(self.samples)
+        self.samples, self.nbytes = [], 0
+        return n
+
+
+def is_validation(index: int, val_every: int) -> bool:
+    """THE train/validation split: sample `index` (its order in the features artifact) is held out for validation
+    iff index % val_every == 0. The trainer and the evaluator both split with this function."""
+    return index % val_every == 0
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def _split(t: dict[str, torch.Tensor]) -> Iterator[Sample]:
+    offsets = t[OFFSETS].tolist()
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        yield Sample(
+            input_ids=t[INPUT_IDS][a:b].long(), loss_mask=t[LOSS_MASK][a:b].long(),
+            aux_hidden=t[AUX_HIDDEN][a:b], final_hidden=t[FINAL_HIDDEN][a:b],
+        )
+
+
+class FeatureReader:
+    """Reads a features artifact after checking its manifest, its layout and every shard's sha256."""
+
+    def __init__(self, artifact: Artifact, expected: Layout | None = None, cache_dir: Path | None = None):
+        self.artifact = artifact
+        self.manifest: Manifest = read_manifest(artifact, kind="features")
+        if not self.manifest.layout:
+            raise ValueError(f"{artifact.uri}: features manifest carries no layout")
+        self.layout = Layout.from_dict(self.manifest.layout)
+        if expected is not None:
+            check_layout(expected, self.layout, what=f"features {artifact.uri}")
+        self.shards = sorted(n for n in self.manifest.files if n.endswith(".safetensors"))
+        self._tmp = None
+        if cache_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="eyas-features-")
+            cache_dir = Path(self._tmp.name)
+        self.cache_dir = Path(cache_dir)
+
+    def load_shard(self, name: str) -> dict[str, torch.Tensor]:
+        local = self.cache_dir / name
+        if not local.exists():
+            fetch_verified(self.artifact, self.manifest, name, local)
+        t = load_file(str(local))
+        missing = [k for k in FEATURE_TENSORS if k not in t]
+        if missing:
+            raise ValueError(f"{self.artifact.uri}/{name}: missing tensors {missing}")
+        width = len(self.layout.aux_layers) * self.layout.hidden_size
+        if t[AUX_HIDDEN].shape[1:] != (width,) or t[FINAL_HIDDEN].shape[1:] != (self.layout.hidden_size,):
+            raise ValueError(f"{self.artifact.uri}/{name}: tensor widths disagree with the layout")
+        return t
+
+    def samples(self) -> Iterator[Sample]:
+        for name in self.shards:
+            yield from _split(self.load_shard(name))
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest.counts.get("samples", 0)

@@ -1,0 +1,181 @@
+"""Greedy chain speculative decoding in-process: the real target (HF, KV cache) verifies K drafter tokens per forward.
+
+One round at context x_0..x_{n-1} (the target has processed x_0..x_{n-2} and holds their aux states g_0..g_{n-2}):
+  draft step 0   rows t = 0..n-2 feed (g_t, x_{t+1}) at position t, causal; the last row proposes d_1
+  draft step j   feeds (pre-norm hidden of step j-1, d_j) at position n-2+j and attends to the step-0 keys plus
+                 its own same-index keys (eyas.drafter.TTTCache), proposing d_{j+1}
+  verify         the target runs [x_{n-1}, d_1..d_K] once; d_i is accepted while it equals the target's argmax,
+                 then the target's own next token (the bonus) is appended; the aux states of the accepted rows
+                 extend g, and the KV cache is cropped to the accepted prefix.
+This is vLLM's chain proposer (spec §6.1) and its counting (spec §6.3): every verify round is one draft, accepted
+tokens are counted before stop/max_tokens truncation, τ = 1 + accepted / drafts, and per-position acceptance is
+accepted_at_pos_i / drafts. The output must equal the target's plain greedy decoding; `evaluate` computes both.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.drafter import Drafter, TTTCache
+from eyas.render import render_prompt
+from eyas.target import Target
+from services.extractor.capture import hooks
+from services.generator.dataset import bundled_prompt_file, load_prompts
+
+
+@dataclass
+class PromptIds:
+    id: str
+    ids: list[int]
+
+
+def mt_bench_prompts(tokenizer, limit: int | None = None) -> list[PromptIds]:
+    """MT-bench (held out from training): each question's first user turn, rendered with the chat template and the
+    assistant generation prompt."""
+    prompts = load_prompts(bundled_prompt_file("mt_bench"), limit=limit)
+    return [PromptIds(p.id, render_prompt(tokenizer, [{"role": "user", "content": p.user_turns[0]}]))
+            for p in prompts]
+
+
+def stop_ids(target: Target) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS plus the generation config's (what vLLM stops on)."""
+    ids = {target.tokenizer.eos_token_id}
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return {int(i) for i in ids if i is not None}
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # new tokens, truncated at the first stop token (kept) or max_new_tokens
+    drafts: int = 0  # verify rounds (each proposes K tokens)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    seconds: float = 0.0
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_pos)
+
+
+def _finished(tokens: list[int], stop: set[int], max_new_tokens: int) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in stop)
+
+
+def _extend(out: list[int], new: list[int], stop: set[int], max_new_tokens: int) -> None:
+    for t in new:
+        if _finished(out, stop, max_new_tokens):
+            return
+        out.append(t)
+
+
+def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int) -> list[int]:
+    """K greedy draft tokens (target ids) after `context`; h0 = fc(g) for rows 0..n-2 [1, n-1, H]."""
+    n = len(context)
+    ids = torch.tensor([context[1:]])  # x_{t+1} beside g_t
+    pos = torch.arange(n - 1)[None]
+    cache = TTTCache()
+    hidden = drafter.step(ids, h0, pos, cache)[:, -1:]  # pre-norm state of the last row
+    tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))  # [1, 1]
+    out = [int(tok)]
+    for j in range(1, k):
+        hidden = drafter.step(tok, hidden, pos[:, -1:] + j, cache)
+        tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
+        out.append(int(tok))
+    return out
+
+
+@torch.inference_mode()
+def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompt: list[int], k: int,
+              max_new_tokens: int, stop: set[int]) -> Decoded:
+    from transformers import DynamicCache
+
+    t0 = time.perf_counter()
+    model = target.model
+    cache = DynamicCache(config=model.config)
+    res = Decoded(tokens=[], accepted_per_pos=[0] * k)
+    with hooks(target, aux_layers) as got:
+        def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0]
+            res.target_forwards += 1
+            return logits.argmax(-1), torch.cat([got[f"out{i}"][0] for i in aux_layers], dim=-1)
+
+        preds, aux = forward(prompt)
+        context = prompt + [int(preds[-1])]
+        _extend(res.tokens, context[-1:], stop, max_new_tokens)
+        h0 = drafter.project(aux[None])  # fc(g) of every row the target has processed, [1, n-1, H]
+        while not _finished(res.tokens, stop, max_new_tokens):
+            drafts = _draft(drafter, h0, context, k)
+            preds, aux = forward(context[-1:] + drafts)
+            a = 0
+            while a < k and drafts[a] == int(preds[a]):
+                a += 1
+            res.drafts += 1
+            for i in range(a):
+                res.accepted_per_pos[i] += 1
+            emitted = drafts[:a] + [int(preds[a])]
+            if a < k:
+                cache.crop(-(k - a))  # keep x_{n-1} and the accepted drafts
+            h0 = torch.cat([h0, drafter.project(aux[None, : a + 1])], dim=1)
+            context += emitted
+            _extend(res.tokens, emitted, stop, max_new_tokens)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+@torch.inference_mode()
+def greedy(target: Target, prompt: list[int], max_new_tokens: int, stop: set[int]) -> Decoded:
+    """The target's plain greedy decoding (transformers `generate`), the reference the output must equal."""
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt])
+    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, temperature=None, top_p=None, top_k=None,
+                                eos_token_id=sorted(stop), pad_token_id=sorted(stop)[0])
+    res = Decoded(tokens=[])
+    _extend(res.tokens, out[0, len(prompt):].tolist(), stop, max_new_tokens)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds], k: int,
+             max_new_tokens: int, progress=None) -> dict:
+    """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality."""
+    stop = stop_ids(target)
+    drafts, per_pos, spec_tokens, spec_s, greedy_tokens, greedy_s, forwards = 0, [0] * k, 0, 0.0, 0, 0.0, 0
+    records = []
+    for i, p in enumerate(prompts):
+        spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop)
+        ref = greedy(target, p.ids, max_new_tokens, stop)
+        diff = first_difference(spec.tokens, ref.tokens)
+        records.append({"id": p.id, "prompt_tokens": len(p.ids), "tokens": len(spec.tokens), "drafts": spec.drafts,
+                        "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos,
+                        "matches_greedy": diff is None, "first_difference": diff, "output": spec.tokens})
+        drafts += spec.drafts
+        per_pos = [x + y for x, y in zip(per_pos, spec.accepted_per_pos, strict=True)]
+        spec_tokens, spec_s, forwards = spec_tokens + len(spec.tokens), spec_s + spec.seconds, forwards + spec.target_forwards
+        greedy_tokens, greedy_s = greedy_tokens + len(ref.tokens), greedy_s + ref.seconds
+        if progress is not None:
+            progress(i + 1, len(prompts))
+    accepted = sum(per_pos)
+    mismatches = [r["id"] for r in records if not r["matches_greedy"]]
+    return {
+        "k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "drafts": drafts, "accepted": accepted, "accepted_per_pos": per_pos,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": [x / drafts if drafts else None for x in per_pos],
+        "tokens": spec_tokens, "target_forwards": forwards,
+        "matches_greedy": not mismatches, "greedy_mismatches": mismatches,
+        "speculative_tok_s": spec_tokens / spec_s if spec_s else None,
+        "greedy_tok_s": greedy_tokens / greedy_s if greedy_s else None,
+        "per_prompt": records,
+    }

@@ -1,0 +1,81 @@
+"""Wiring check: from a drafter's export configs and the target, derive exactly which tensors each engine will
+concatenate and feed the drafter, and refuse with a named reason when that is not what it was trained on.
+
+What is checked (reference/eagle3-spec.md §3, §7):
+  target     the target to evaluate/serve with has the layout's config hash, tokenizer hash, depth and width
+  recorded   a config's `eyas_layout` (written by the exporter) equals the drafter's layout
+  width      fc's input width equals (number of concatenated states) × hidden size
+  capture    vLLM (eagle/ and speculators/ configs) and SGLang (eagle/ config) capture the trained layers, in the
+             trained order (eyas.layout.check_serving: wrong layers, wrong order, off-by-one, embedding)
+  residual   the engine's view has norm_before_residual false (vLLM defaults it to TRUE for speculators configs)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from eyas.layout import Layout, LayoutMismatch, check_layout, check_serving, describe, vllm_view
+from eyas.target import Target
+
+ENGINES = ("vllm", "sglang")
+# Which export each engine loads: (engine, export dir name). SGLang loads only the EAGLE/SpecForge layout.
+_SERVED = (("vllm", "eagle"), ("vllm", "speculators"), ("sglang", "eagle"))
+
+
+class WiringMismatch(LayoutMismatch):
+    """The drafter would be served with other tensors than it was trained on."""
+
+
+def check_target(layout: Layout, target: Target) -> None:
+    """The target the drafter is evaluated (and served) with must be the one its layout was recorded from."""
+    actual = dataclasses.replace(layout, target_config_hash=target.config_hash, tokenizer_hash=target.tokenizer_hash,
+                                 num_layers=target.num_layers, hidden_size=target.hidden_size,
+                                 vocab_size=target.config.vocab_size)
+    try:
+        check_layout(layout, actual, what=f"target {target.name}")
+    except LayoutMismatch as e:
+        raise WiringMismatch(f"drafter was trained for another target: {e}") from None
+
+
+def _fc_width(export: Path) -> int:
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        return int(f.get_slice("fc.weight").get_shape()[1])
+
+
+def check_export(layout: Layout, export: Path, engine: str) -> list[int]:
+    """Check one export directory (config.json + model.safetensors) as `engine` loads it; returns the served
+    layers (physical out(i), EMBED = -1) or raises WiringMismatch naming the export, the engine and the reason."""
+    config: dict[str, Any] = json.loads((export / "config.json").read_text())
+    where = f"{export.name}/config.json on {engine}"
+    try:
+        recorded = config.get("eyas_layout") or (config.get("transformer_layer_config") or {}).get("eyas_layout")
+        if recorded is not None:
+            check_layout(layout, Layout.from_dict(recorded), what=f"{export.name}/config.json eyas_layout")
+        served = check_serving(layout, config, engine)
+        width = _fc_width(export)
+        if width != len(served) * layout.hidden_size:
+            raise LayoutMismatch(f"fc takes {width} inputs but {engine} feeds {len(served)} × {layout.hidden_size}")
+        view = vllm_view(config) if engine == "vllm" else config
+        if view.get("norm_before_residual", False):
+            raise LayoutMismatch(f"{engine} reads norm_before_residual=true; the drafter was trained without it")
+    except LayoutMismatch as e:
+        raise WiringMismatch(f"{where}: {e}") from None
+    return served
+
+
+def check_wiring(layout: Layout, drafter_dir: Path, target: Target | None = None,
+                 engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
+    """Every export × engine that loads it; raises WiringMismatch on the first that would be mis-wired."""
+    if target is not None:
+        check_target(layout, target)
+    served: dict[str, Any] = {}
+    for engine, name in _SERVED:
+        if engine in engines and (drafter_dir / name / "config.json").is_file():
+            served[f"{engine}:{name}"] = describe(check_export(layout, drafter_dir / name, engine))
+    if not served:
+        raise WiringMismatch(f"{drafter_dir}: no eagle/ or speculators/ export to check")
+    return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True}

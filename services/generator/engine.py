@@ -1,0 +1,193 @@
+"""Chat engines behind one interface: `await engine.chat(messages, params) -> Completion`.
+
+HttpEngine talks to any OpenAI-compatible server (vLLM, SGLang). InProcessEngine drives a local transformers model
+(the embedded default: the SQLite of generation — convenient on one machine, never the production path); it
+batches concurrent requests into one `generate` call. Both produce identical Completion records.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from pydantic import BaseModel, Field
+
+
+class SamplingParams(BaseModel):
+    max_tokens: int = Field(512, ge=1, le=131072)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # e.g. {"enable_thinking": true}
+
+
+@dataclass
+class Completion:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """A request that failed; `status` is the HTTP status when there was one, `retry_after` the server's hint."""
+
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+
+class Engine(Protocol):
+    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion: ...
+    async def aclose(self) -> None: ...
+
+
+def request_timeout(max_tokens: int, min_tokens_per_s: float = 2.0, base_s: float = 30.0) -> float:
+    """A read timeout sized to the request: a long generation is not a hung one (never the client's 60 s)."""
+    return base_s + max_tokens / min_tokens_per_s
+
+
+class HttpEngine:
+    def __init__(self, endpoint: str, model: str, api_key: str | None = None, max_connections: int = 256,
+                 min_tokens_per_s: float = 2.0):
+        self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1")
+        self.model = model
+        self.min_tokens_per_s = min_tokens_per_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            headers=headers, limits=httpx.Limits(max_connections=max_connections,
+                                                 max_keepalive_connections=max_connections))
+
+    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
+                                "temperature": params.temperature, "top_p": params.top_p}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.chat_template_kwargs:
+            body["chat_template_kwargs"] = params.chat_template_kwargs
+        timeout = httpx.Timeout(request_timeout(params.max_tokens, self.min_tokens_per_s), connect=10.0)
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post(f"{self.url}/chat/completions", json=body, timeout=timeout)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"timeout after {timeout.read:.0f} s: {type(e).__name__}") from e
+        except httpx.TransportError as e:
+            raise EngineError(f"connection error: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            retry_after = resp.headers.get("retry-after")
+            raise EngineError(f"HTTP {resp.status_code}: {resp.text[:300]}", status=resp.status_code,
+                              retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None)
+        try:
+            data = resp.json()
+            choice = data["choices"][0]
+            msg = choice["message"]
+        except (ValueError, KeyError, IndexError) as e:
+            raise EngineError(f"malformed response: {resp.text[:200]!r}") from e
+        usage = data.get("usage") or {}
+        return Completion(
+            content=msg.get("content") or "",
+            reasoning_content=msg.get("reasoning_content") or msg.get("reasoning"),
+            finish_reason=choice.get("finish_reason") or "unknown",
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            latency_s=time.monotonic() - t0,
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class InProcessEngine:
+    """Batched greedy/sampled generation with a local transformers model, behind the HTTP engine's interface."""
+
+    def __init__(self, target_name: str, max_batch: int = 16):
+        import torch
+
+        from eyas.target import load_target
+
+        self.torch = torch
+        self.target = load_target(target_name)
+        self.tok = self.target.tokenizer
+        self.max_batch = max_batch
+        self._pending: list[tuple[list[dict], SamplingParams, asyncio.Future]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._runner: asyncio.Task | None = None
+        self._lock = threading.Lock()  # one generate at a time; the model is not re-entrant
+
+    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
+        loop = asyncio.get_running_loop()
+        if self._runner is None:
+            self._wakeup = asyncio.Event()
+            self._runner = loop.create_task(self._run())
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append((messages, params, fut))
+        self._wakeup.set()
+        return await fut
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            await asyncio.sleep(0.01)  # let concurrent callers join the batch
+            self._wakeup.clear()
+            while self._pending:
+                # one batch = requests with identical sampling parameters
+                key = self._pending[0][1]
+                batch = [p for p in self._pending if p[1] == key][: self.max_batch]
+                for p in batch:
+                    self._pending.remove(p)
+                try:
+                    results = await asyncio.to_thread(self._generate, [b[0] for b in batch], key)
+                    for (_, _, fut), res in zip(batch, results, strict=True):
+                        if not fut.done():
+                            fut.set_result(res)
+                except Exception as e:  # every waiter learns why
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(EngineError(f"in-process generation failed: {e}"))
+
+    def _generate(self, conversations: list[list[dict]], params: SamplingParams) -> list[Completion]:
+        torch = self.torch
+        t0 = time.monotonic()
+        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                              **params.chat_template_kwargs) for c in conversations]
+        self.tok.padding_side = "left"
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        gen_kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tok.pad_token_id,
+                                      "eos_token_id": self.tok.eos_token_id}
+        if params.temperature > 0:
+            gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+        else:
+            gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        with self._lock, torch.inference_mode():
+            out = self.target.model.generate(**enc, **gen_kwargs)
+        new = out[:, enc["input_ids"].shape[1]:]
+        results = []
+        latency = time.monotonic() - t0
+        for row, attn in zip(new, enc["attention_mask"], strict=True):
+            ids = row.tolist()
+            stop = ids.index(self.tok.eos_token_id) if self.tok.eos_token_id in ids else None
+            kept = ids[:stop] if stop is not None else [t for t in ids if t != self.tok.pad_token_id]
+            results.append(Completion(
+                content=self.tok.decode(kept, skip_special_tokens=True),
+                reasoning_content=None,
+                finish_reason="stop" if stop is not None else "length",
+                prompt_tokens=int(attn.sum()),
+                completion_tokens=len(kept) + (1 if stop is not None else 0),
+                latency_s=latency,
+            ))
+        return results
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            self._runner = None

@@ -1,0 +1,159 @@
+"""Shared fixtures: real servers (Redis, SeaweedFS S3, vLLM on CPU) started once per session on free loopback
+ports, per-test service settings, and helpers that start a stage's API (uvicorn) or Celery worker process."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from eyas.settings import Settings
+from eyas.store import S3Store
+from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, s3_server, vllm_server
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> Iterator[str]:
+    """Real vLLM (CPU, fp32, eager) serving the bundled target as model "target"; one per session (~60 s start)."""
+    from eyas.target import bundled_target_dir
+
+    with vllm_server(bundled_target_dir()) as url:
+        yield url
+
+
+@dataclass
+class ServiceEnv:
+    """Service-mode settings for one test: its own Redis database (flushed) and its own S3 bucket."""
+
+    settings: Settings
+    env: dict[str, str]  # the same settings as EYAS_* variables, for subprocesses
+    workdir: Path
+
+    def with_(self, **overrides) -> ServiceEnv:
+        env = {**self.env, **{f"EYAS_{k.upper()}": str(v) for k, v in overrides.items()}}
+        return ServiceEnv(settings=self.settings.model_copy(update=overrides), env=env, workdir=self.workdir)
+
+
+_buckets = itertools.count()
+
+
+@pytest.fixture
+def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> ServiceEnv:
+    redis.Redis.from_url(redis_url).flushdb()
+    values = {
+        "mode": "service", "redis_url": redis_url, "s3_endpoint": s3_endpoint, "s3_access_key": S3_ACCESS,
+        "s3_secret_key": S3_SECRET, "s3_bucket": f"eyas-test-{os.getpid()}-{next(_buckets)}",
+        "workdir": str(tmp_path / "work"),
+        # short, so a dead worker's task comes back within seconds in the tests
+        "visibility_timeout_s": "3", "unacked_restore_interval_s": "0.5",
+    }
+    settings = Settings(**values)
+    S3Store(settings).ensure_bucket()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EYAS_")}
+    env.update({f"EYAS_{k.upper()}": v for k, v in values.items()})
+    return ServiceEnv(settings=settings, env=env, workdir=tmp_path)
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen
+    log: Path
+    url: str | None = None
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the process and everything it started (a Celery worker and its pool processes)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group(signal.SIGKILL)  # pool processes left behind, if any
+        if self.proc.poll() is None:
+            self.proc.wait()
+
+
+def _spawn(args: list[str], env: dict[str, str], name: str) -> Proc:
+    log = Path(tempfile.mkstemp(prefix=f"eyas-{name}-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return Proc(proc=proc, log=log)
+
+
+@pytest.fixture
+def api_process() -> Iterator[Callable[..., Proc]]:
+    """start(stage, service_env) → a running `eyas api --stage S` on a free loopback port (Proc.url)."""
+    started: list[Proc] = []
+
+    def start(stage: str, service: ServiceEnv) -> Proc:
+        port = free_port()
+        p = _spawn(["api", "--stage", stage, "--host", "127.0.0.1", "--port", str(port)], service.env, f"api-{stage}")
+        started.append(p)
+        p.url = f"http://127.0.0.1:{port}"
+        _wait(lambda: httpx.get(f"{p.url}/healthz", timeout=2).status_code == 200, 90, f"{stage} API", p.proc, p.log)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+def worker_process() -> Iterator[Callable[..., Proc]]:
+    """start(stage, service_env) → a running `eyas worker --stage S`, consuming once its log says ready."""
+    started: list[Proc] = []
+
+    def start(stage: str, service: ServiceEnv, concurrency: int = 1) -> Proc:
+        p = _spawn(["worker", "--stage", stage, "--concurrency", str(concurrency)], service.env, f"worker-{stage}")
+        started.append(p)
+        _wait(lambda: " ready." in p.tail(100_000), 90, f"{stage} worker", p.proc, p.log)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def wait_for_job(get: Callable[[], dict], until: Callable[[dict], bool], timeout: float = 300,
+                 what: str = "job") -> dict:
+    """Poll a job (a dict from the API or a JobRecord dump) until `until(job)`; returns the job."""
+    deadline = time.monotonic() + timeout
+    job = get()
+    while not until(job):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not get there in {timeout:.0f} s; last seen: {job}")
+        time.sleep(0.2)
+        job = get()
+    return job

@@ -1,0 +1,220 @@
+"""The job API (eyas.api.create_app) on real components: Redis + SeaweedFS in service mode (no worker, so jobs
+stay queued where the test can look at them), and embedded mode running jobs against a real vLLM."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from eyas.api import create_app
+from eyas.jobs import RedisJobStore
+from eyas.manifest import read_manifest
+from eyas.settings import Settings
+from eyas.store import S3Store, open_artifact
+from tests.conftest import ServiceEnv, wait_for_job
+from tests.servers import free_port
+
+LONG_PROMPTS = [
+    "Write a detailed story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain step by step how a bicycle works, covering every part.",
+    "Describe the water cycle in detail for a school textbook.",
+    "Write a long letter to a friend about a trip to the mountains.",
+    "Explain how bread is made, from wheat field to bakery shelf.",
+    "Describe a busy city market in the morning, with many details.",
+    "Write an essay about why people enjoy gardening.",
+    "Explain how a library organizes its books, in detail.",
+]
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": LONG_PROMPTS[i]}]})
+                            + "\n" for i in range(n)))
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    return write_prompts(tmp_path / "prompts.jsonl", 4)
+
+
+@pytest.fixture
+def service_client(service_settings: ServiceEnv):
+    with TestClient(create_app("generate", service_settings.settings)) as client:
+        yield client
+
+
+def _nothing_written(settings: Settings) -> None:
+    assert RedisJobStore(settings.redis_url).counts() == {}
+    assert redis.Redis.from_url(settings.redis_url).llen("generate") == 0
+    assert S3Store(settings).list("") == []
+
+
+def _metric(client: TestClient, line_start: str) -> float | None:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_submit_get_list_cancel(service_client: TestClient, service_settings: ServiceEnv, prompts_file: Path):
+    r = service_client.post("/v1/jobs", json={"prompts": str(prompts_file), "limit": 2})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    job_id = body["id"]
+    assert body["status"] == "queued" and body["links"]["self"] == f"/v1/jobs/{job_id}"
+    assert r.headers["location"] == f"/v1/jobs/{job_id}"
+    queued = redis.Redis.from_url(service_settings.settings.redis_url).lrange("generate", 0, -1)
+    assert len(queued) == 1 and job_id.encode() in queued[0]  # on the generate queue, by id only
+
+    job = service_client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "queued" and job["stage"] == "generate" and job["attempts"] == 0
+    assert job["spec"]["prompts"] == str(prompts_file) and job["spec"]["limit"] == 2
+    assert job["spec"]["concurrency"] == 16  # defaults filled in: the record says exactly what will run
+
+    second = service_client.post("/v1/jobs", json={"prompts": str(prompts_file)}).json()["id"]
+    assert [j["id"] for j in service_client.get("/v1/jobs").json()] == [second, job_id]
+    assert [j["id"] for j in service_client.get("/v1/jobs", params={"limit": 1}).json()] == [second]
+
+    r = service_client.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 202 and r.json()["state"] == "cancelled"
+    assert service_client.get(f"/v1/jobs/{job_id}").json()["state"] == "cancelled"
+    assert [j["id"] for j in service_client.get("/v1/jobs", params={"state": "queued"}).json()] == [second]
+    r = service_client.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 409 and r.json()["detail"][0] == {
+        "field": "state", "value": "cancelled", "message": f"job {job_id} has already ended"}
+    assert service_client.post("/v1/jobs/gen-000000000000/cancel").status_code == 404
+    assert service_client.get("/v1/jobs/gen-000000000000").json()["detail"][0]["value"] == "gen-000000000000"
+
+    assert _metric(service_client, 'eyas_jobs_submitted_total{stage="generate"}') == 2
+    assert _metric(service_client, 'eyas_jobs_cancelled_total{stage="generate"}') == 1
+    assert _metric(service_client, 'eyas_jobs_active{stage="generate",state="queued"}') == 1
+    assert _metric(service_client, 'eyas_http_request_duration_seconds_count{method="POST",route="/v1/jobs",'
+                                   'status="202"}') == 2
+
+
+BAD_SPECS = [
+    # (spec given, field named, value named, words in the message)
+    ({"bogus": 1}, "bogus", 1, "Extra inputs"),
+    ({"concurrency": 0}, "concurrency", 0, "greater than or equal to 1"),
+    ({"endpoint": "ftp://host"}, "endpoint", "ftp://host", "http(s)"),
+    ({"sampling": {"temperature": -1}}, "sampling.temperature", -1, "greater than or equal to 0"),
+    ({"limit": "many"}, "limit", "many", "integer"),
+    ({"then": ["train"]}, "then[0]", "train", "must be extract"),
+    ({"then": [{"stage": "extract", "max_length": 3}]}, "then[0].max_length", 3, "greater than or equal to 16"),
+]
+
+
+@pytest.mark.parametrize("extra,field,value,words", BAD_SPECS, ids=[b[1] for b in BAD_SPECS])
+def test_bad_spec_names_field_and_value_and_writes_nothing(service_client, service_settings, prompts_file,
+                                                           extra, field, value, words):
+    r = service_client.post("/v1/jobs", json={"prompts": str(prompts_file), **extra})
+    assert r.status_code == 422, r.text
+    problem = r.json()["detail"][0]
+    assert (problem["field"], problem["value"]) == (field, value)
+    assert words in problem["message"]
+    _nothing_written(service_settings.settings)
+    assert _metric(service_client, 'eyas_jobs_rejected_total{stage="generate"}') == 1
+
+
+BAD_FILES = [
+    ("broken.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "line 2 is not JSON"),
+    ("nomsg.jsonl", b'{"text": "hi"}\n', "record 0: no 'messages', 'conversations' or 'turns' field"),
+    ("role.jsonl", b'{"messages": [{"role": "robot", "content": "hi"}]}\n', "messages[0] needs role"),
+    ("latin1.jsonl", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "not UTF-8"),
+    ("empty.jsonl", b"\n\n", "holds no records"),
+]
+
+
+@pytest.mark.parametrize("name,content,words", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_malformed_prompt_file_is_refused(service_client, service_settings, tmp_path, name, content, words):
+    path = tmp_path / name
+    path.write_bytes(content)
+    r = service_client.post("/v1/jobs", json={"prompts": str(path)})
+    assert r.status_code == 422, r.text
+    problem = r.json()["detail"][0]
+    assert (problem["field"], problem["value"]) == ("prompts", str(path))
+    assert words in problem["message"]
+    _nothing_written(service_settings.settings)
+
+
+def test_missing_prompt_file_and_broken_body(service_client, service_settings, tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    r = service_client.post("/v1/jobs", json={"prompts": missing})
+    assert r.status_code == 422 and r.json()["detail"][0]["value"] == missing
+    assert "does not exist" in r.json()["detail"][0]["message"]
+    r = service_client.post("/v1/jobs", content=b'{"prompts": ', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body"
+    r = service_client.post("/v1/jobs", json={})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "prompts"
+    r = service_client.get("/v1/jobs", params={"state": "done", "limit": 0})
+    assert r.status_code == 422 and [(p["field"], p["value"]) for p in r.json()["detail"]] == [
+        ("state", "done"), ("limit", "0")]
+    _nothing_written(service_settings.settings)
+
+
+def test_api_key(service_settings: ServiceEnv, prompts_file: Path):
+    settings = service_settings.settings.model_copy(update={"api_key": SecretStr("k3y-0123456789")})
+    with TestClient(create_app("generate", settings)) as client:
+        body = {"prompts": str(prompts_file)}
+        r = client.post("/v1/jobs", json=body)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert client.post("/v1/jobs", json=body, headers={"Authorization": "Basic k3y-0123456789"}).status_code == 401
+        assert client.post("/v1/jobs", json=body, headers={"Authorization": "Bearer k3y-0123456788"}).status_code == 403
+        assert client.get("/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        _nothing_written(settings)
+        r = client.post("/v1/jobs", json=body, headers={"Authorization": "Bearer k3y-0123456789"})
+        assert r.status_code == 202
+        assert client.get(r.json()["links"]["self"], headers={"Authorization": "Bearer k3y-0123456789"}).json()[
+            "state"] == "queued"
+        assert client.get("/healthz").status_code == 200  # probes stay open
+        assert "/v1/jobs" in client.get("/openapi.json").json()["paths"]
+
+
+def test_readiness(service_client: TestClient, service_settings: ServiceEnv):
+    r = service_client.get("/readyz")
+    assert r.status_code == 200 and r.json()["checks"] == {"broker": "ok", "jobs": "ok", "store": "ok"}
+    dead = service_settings.settings.model_copy(update={
+        "redis_url": f"redis://127.0.0.1:{free_port()}/0", "s3_bucket": "no-such-bucket"})
+    with TestClient(create_app("generate", dead)) as client:
+        r = client.get("/readyz")
+        assert r.status_code == 503
+        checks = r.json()["checks"]
+        assert checks["broker"] != "ok" and checks["jobs"] != "ok"
+        assert "no-such-bucket" in checks["store"]
+        assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.vllm
+def test_embedded_api_runs_and_cancels_jobs(tmp_path: Path, vllm_url: str):
+    settings = Settings(mode="embedded", workdir=tmp_path / "work")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    with TestClient(create_app("generate", settings)) as client:
+        assert client.get("/readyz").json()["checks"] == {"executor": "ok", "jobs": "ok", "store": "ok"}
+        spec = {"prompts": str(prompts), "endpoint": vllm_url, "limit": 3, "concurrency": 3,
+                "sampling": {"max_tokens": 16}}
+        job_id = client.post("/v1/jobs", json=spec).json()["id"]
+        job = wait_for_job(lambda: client.get(f"/v1/jobs/{job_id}").json(),
+                           lambda j: j["state"] not in ("queued", "running"))
+        assert job["state"] == "succeeded", job
+        assert job["progress"] == {"done": 3, "total": 3, "unit": "prompts"}
+        assert job["metrics"]["completed"] == 3 and job["attempts"] == 1
+        manifest = read_manifest(open_artifact(job["artifacts"]["output"]), kind="dataset")
+        assert manifest.counts["conversations"] == 3 and manifest.id == job_id
+
+        # a running job stops at its next progress report after a cancel
+        slow = {**spec, "limit": 8, "concurrency": 1, "sampling": {"max_tokens": 64}}
+        slow_id = client.post("/v1/jobs", json=slow).json()["id"]
+        wait_for_job(lambda: client.get(f"/v1/jobs/{slow_id}").json(),
+                     lambda j: j["state"] == "running" and j["progress"]["done"] >= 1)
+        r = client.post(f"/v1/jobs/{slow_id}/cancel")
+        assert r.status_code == 202 and r.json()["cancel_requested"]
+        job = wait_for_job(lambda: client.get(f"/v1/jobs/{slow_id}").json(),
+                           lambda j: j["state"] not in ("queued", "running"))
+        assert job["state"] == "cancelled" and job["progress"]["done"] < 8
+        assert not (settings.store_root / "datasets" / slow_id / "manifest.json").exists()
+        assert _metric(client, 'eyas_jobs_succeeded_total{stage="generate"}') == 1
+        assert _metric(client, 'eyas_jobs_cancelled_total{stage="generate"}') == 1

@@ -1,0 +1,154 @@
+"""Service mode end to end: an API process, Celery worker processes, Redis, SeaweedFS S3 and a real vLLM.
+
+A generator job POSTed over HTTP runs on a separate worker, writes its shards and manifest to S3 and hands its
+`then` stage to the extract queue. A worker killed mid-task (SIGKILL) loses nothing: the task runs again and the
+artifact is written once — the bucket is versioned, so a second write of any key would show as a second version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from minio.commonconfig import ENABLED
+from minio.versioningconfig import VersioningConfig
+
+from eyas.manifest import fetch_verified, read_manifest
+from eyas.store import S3Store, open_artifact
+from tests.conftest import ServiceEnv, wait_for_job
+from tests.test_api import write_prompts
+
+pytestmark = pytest.mark.vllm
+
+
+def _versioned_store(service: ServiceEnv) -> S3Store:
+    store = S3Store(service.settings)
+    store.client.set_bucket_versioning(store.bucket, VersioningConfig(ENABLED))
+    return store
+
+
+def _upload_prompts(store: S3Store, tmp_path: Path, n: int) -> str:
+    store.put_file("inputs/prompts.jsonl", write_prompts(tmp_path / "prompts.jsonl", n))
+    return store.uri("inputs/prompts.jsonl")
+
+
+def _versions(store: S3Store, prefix: str) -> Counter:
+    return Counter(o.object_name for o in store.client.list_objects(store.bucket, prefix=prefix + "/",
+                                                                    recursive=True, include_version=True))
+
+
+def _records(service: ServiceEnv, uri: str, tmp_path: Path) -> tuple[list[dict], dict]:
+    art = open_artifact(uri, service.settings)
+    manifest = read_manifest(art, kind="dataset")
+    records = []
+    for name in sorted(n for n in manifest.files if n.startswith("conversations")):
+        path = fetch_verified(art, manifest, name, tmp_path / name)
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records, manifest.counts
+
+
+def _client(api_url: str):
+    client = httpx.Client(base_url=api_url, timeout=30)
+    return client, lambda job_id: (lambda: client.get(f"/v1/jobs/{job_id}").json())
+
+
+def test_job_posted_over_http_runs_on_a_separate_worker(service_settings, vllm_url, api_process, worker_process,
+                                                        tmp_path):
+    store = _versioned_store(service_settings)
+    prompts = _upload_prompts(store, tmp_path, 4)
+    api = api_process("generate", service_settings)
+    worker = worker_process("generate", service_settings)
+    client, getter = _client(api.url)
+
+    spec = {"prompts": prompts, "endpoint": vllm_url, "limit": 4, "concurrency": 4,
+            "sampling": {"max_tokens": 24}, "then": ["extract"]}
+    r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    job = wait_for_job(getter(job_id), lambda j: j["state"] not in ("queued", "running"))
+    assert job["state"] == "succeeded", (job, worker.tail())
+    assert job["attempts"] == 1 and job["metrics"]["completed"] == 4 and job["metrics"]["failed"] == 0
+    assert job["progress"] == {"done": 4, "total": 4, "unit": "prompts"}
+    output = job["artifacts"]["output"]
+    assert output == f"s3://{store.bucket}/datasets/{job_id}"
+
+    prefix = f"datasets/{job_id}"
+    assert _versions(store, prefix) == {f"{prefix}/conversations-00000.jsonl": 1, f"{prefix}/manifest.json": 1}
+    records, counts = _records(service_settings, output, tmp_path)
+    assert counts["conversations"] == counts["prompts"] == 4
+    assert sorted(r["id"] for r in records) == [f"prompts:p{i}" for i in range(4)]
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
+
+    # `then`: the next stage's job was created by the worker and sent to the extract queue (no extract worker here)
+    nxt = client.get(f"/v1/jobs/{job['next_job']}").json()
+    assert nxt["stage"] == "extract" and nxt["state"] == "queued" and nxt["parent"] == job_id
+    assert nxt["spec"]["data"] == output
+    queued = redis.Redis.from_url(service_settings.settings.redis_url).lrange("extract", 0, -1)
+    assert len(queued) == 1 and job["next_job"].encode() in queued[0]
+    metrics = client.get("/metrics").text
+    assert 'eyas_jobs_succeeded_total{stage="generate"} 1.0' in metrics
+    assert 'eyas_jobs_active{stage="extract",state="queued"} 1.0' in metrics
+
+
+def _start_and_catch_running(service, vllm_url, api_process, worker_process, tmp_path, n=8):
+    store = _versioned_store(service)
+    prompts = _upload_prompts(store, tmp_path, n)
+    api = api_process("generate", service)
+    worker = worker_process("generate", service)
+    client, getter = _client(api.url)
+    spec = {"prompts": prompts, "endpoint": vllm_url, "concurrency": 2, "sampling": {"max_tokens": 48}}
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_job(getter(job_id), lambda j: j["state"] == "running" and j["progress"]["done"] >= 2)
+    return store, worker, getter(job_id), job_id
+
+
+def _check_written_once(service, store, job, job_id, n, tmp_path):
+    assert job["state"] == "succeeded", job
+    assert job["attempts"] == 2
+    prefix = f"datasets/{job_id}"
+    versions = _versions(store, prefix)
+    assert f"{prefix}/manifest.json" in versions and set(versions.values()) == {1}, versions
+    records, counts = _records(service, job["artifacts"]["output"], tmp_path)
+    assert counts["conversations"] == n and len({r["id"] for r in records}) == n == len(records)
+
+
+def test_killed_worker_task_runs_again_on_a_new_worker(service_settings, vllm_url, api_process, worker_process,
+                                                       tmp_path):
+    """The whole worker dies (every process SIGKILLed, as when its machine goes): its unacknowledged delivery
+    stops being renewed and the restore sweep of the next worker gives the task to it."""
+    store, worker, get, job_id = _start_and_catch_running(service_settings, vllm_url, api_process,
+                                                          worker_process, tmp_path)
+    worker.kill_group(signal.SIGKILL)
+    killed = time.monotonic()
+    worker.proc.wait()
+    assert get()["state"] == "running"  # nobody else knows yet
+    worker_process("generate", service_settings)  # a new worker
+    wait_for_job(get, lambda j: j["attempts"] >= 2, timeout=120)
+    print(f"\nwhole-worker SIGKILL: task running again on a new worker after {time.monotonic() - killed:.1f} s "
+          f"(visibility_timeout {service_settings.settings.visibility_timeout_s:g} s, incl. worker start)")
+    job = wait_for_job(get, lambda j: j["state"] not in ("queued", "running"))
+    _check_written_once(service_settings, store, job, job_id, 8, tmp_path)
+
+
+def test_killed_pool_process_task_is_requeued_at_once(service_settings, vllm_url, api_process, worker_process,
+                                                      tmp_path):
+    """Only the process running the task dies (OOM killer, segfault): the worker requeues the task at once
+    (task_reject_on_worker_lost) and a fresh pool process runs it."""
+    store, worker, get, job_id = _start_and_catch_running(service_settings, vllm_url, api_process,
+                                                          worker_process, tmp_path)
+    pid = worker.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    os.kill(int(children[0]), signal.SIGKILL)  # the pool process
+    killed = time.monotonic()
+    wait_for_job(get, lambda j: j["attempts"] >= 2, timeout=120)
+    print(f"\npool-process SIGKILL: task running again after {time.monotonic() - killed:.1f} s")
+    job = wait_for_job(get, lambda j: j["state"] not in ("queued", "running"))
+    _check_written_once(service_settings, store, job, job_id, 8, tmp_path)
+    assert worker.proc.poll() is None  # the worker itself lived on

@@ -1,0 +1,110 @@
+"""The job state machine and the two job stores (SQLite for embedded mode, a real Redis for service mode)."""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from eyas.jobs import (
+    ALLOWED,
+    IllegalTransition,
+    JobNotFound,
+    JobRecord,
+    RedisJobStore,
+    SqliteJobStore,
+    new_job_id,
+    transition,
+    update,
+)
+
+_ns = itertools.count()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def jobs(request, tmp_path):
+    if request.param == "sqlite":
+        return SqliteJobStore(tmp_path / "jobs.sqlite")
+    return RedisJobStore(request.getfixturevalue("redis_url"), namespace=f"test-jobs-{next(_ns)}")
+
+
+def _new(jobs, stage: str = "generate", **fields) -> JobRecord:
+    job = JobRecord(id=new_job_id(stage), stage=stage, spec={"prompts": "p.jsonl"}, **fields)
+    jobs.put(job)
+    return job
+
+
+def test_happy_path_and_redelivery(jobs):
+    job = _new(jobs)
+    assert transition(jobs, job.id, "running", attempts=1).state == "running"
+    again = transition(jobs, job.id, "running", attempts=2)  # a redelivered task picks it up again
+    assert again.attempts == 2
+    done = transition(jobs, job.id, "succeeded", artifacts={"output": "s3://b/datasets/x"},
+                      progress={"done": 3, "total": 3, "unit": "prompts"})
+    assert jobs.get(job.id) == done
+    assert done.progress.done == 3 and done.artifacts == {"output": "s3://b/datasets/x"}
+    assert done.updated_at >= job.updated_at
+
+
+@pytest.mark.parametrize("path", [
+    ("succeeded", "running"), ("failed", "running"), ("cancelled", "running"), ("succeeded", "failed"),
+    ("cancelled", "succeeded"), ("queued", "succeeded"), ("queued", "queued"), ("running", "queued"),
+])
+def test_illegal_transitions_are_refused_and_change_nothing(jobs, path):
+    start, illegal = path
+    job = _new(jobs)
+    if start != "queued":
+        if start in ("succeeded",):
+            transition(jobs, job.id, "running")
+        transition(jobs, job.id, start)
+    before = jobs.get(job.id)
+    with pytest.raises(IllegalTransition, match=f"{start} → {illegal}"):
+        transition(jobs, job.id, illegal, error="should not be written")
+    assert jobs.get(job.id) == before
+
+
+def test_state_machine_table():
+    # terminal states are final; nothing goes back to queued
+    assert ALLOWED["succeeded"] == ALLOWED["failed"] == ALLOWED["cancelled"] == frozenset()
+    assert all("queued" not in targets for targets in ALLOWED.values())
+
+
+def test_unknown_job(jobs):
+    with pytest.raises(JobNotFound):
+        jobs.get("gen-000000000000")
+    with pytest.raises(JobNotFound):
+        transition(jobs, "gen-000000000000", "running")
+
+
+def test_list_filters_and_counts(jobs):
+    made = [_new(jobs, "generate", created_at=float(i)) for i in range(5)]
+    ext = _new(jobs, "extract", created_at=10.0)
+    transition(jobs, made[1].id, "cancelled")
+    transition(jobs, made[3].id, "running")
+    assert [j.id for j in jobs.list("generate")] == [j.id for j in reversed(made)]  # newest first
+    assert [j.id for j in jobs.list("generate", limit=2)] == [made[4].id, made[3].id]
+    assert [j.id for j in jobs.list("generate", state="queued")] == [made[4].id, made[2].id, made[0].id]
+    assert [j.id for j in jobs.list("generate", state="queued", limit=1)] == [made[4].id]
+    assert [j.id for j in jobs.list(state="queued")] == [ext.id, made[4].id, made[2].id, made[0].id]
+    assert jobs.counts() == {("generate", "queued"): 3, ("generate", "cancelled"): 1,
+                             ("generate", "running"): 1, ("extract", "queued"): 1}
+
+
+def test_concurrent_writers_lose_nothing(jobs):
+    """A worker's progress writes and an API's cancel race on one record: every change must land."""
+    job = _new(jobs)
+    transition(jobs, job.id, "running")
+
+    def bump(key: str, n: int):
+        for _ in range(n):
+            jobs.mutate(job.id, lambda j: j.model_copy(update={"metrics": {**j.metrics, key: j.metrics.get(key, 0) + 1}}))
+
+    threads = [threading.Thread(target=bump, args=(k, 60)) for k in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    update(jobs, job.id, cancel_requested=True)
+    for t in threads:
+        t.join()
+    final = jobs.get(job.id)
+    assert final.metrics == {"a": 60, "b": 60, "c": 60}
+    assert final.cancel_requested and final.state == "running"
