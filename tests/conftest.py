@@ -51,10 +51,6 @@ class ServiceEnv:
     env: dict[str, str]  # the same settings as EYAS_* variables, for subprocesses
     workdir: Path
 
-    def with_(self, **overrides) -> ServiceEnv:
-        env = {**self.env, **{f"EYAS_{k.upper()}": str(v) for k, v in overrides.items()}}
-        return ServiceEnv(settings=self.settings.model_copy(update=overrides), env=env, workdir=self.workdir)
-
 
 _buckets = itertools.count()
 

@@ -8,19 +8,35 @@ sampling parameters and chat-template kwargs used.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from eyas.manifest import ArtifactWriter, Manifest
+from eyas.store import Artifact
 from eyas.stages import StageContext, StageResult, StageSpec
 from eyas.target import BUNDLED, load_tokenizer, tokenizer_hash
 from services.generator.dataset import Prompt, PromptFileError, bundled_prompt_file, load_prompts
-from services.generator.engine import Engine, EngineError, HttpEngine, InProcessEngine, SamplingParams
+from services.generator.dedup import NearDupIndex
+from services.generator.synthesize import synthesize_prompts
+from services.generator.engine import (
+    Completion,
+    Engine,
+    EngineError,
+    HttpEngine,
+    InProcessEngine,
+    SamplingParams,
+    request_timeout,
+)
+from services.generator.throttle import AimdState, GlobalLeases, Throttle
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "prompts"
@@ -35,8 +51,30 @@ def resolve_prompt_file(prompts: str) -> Path:
     return Path(prompts)
 
 
+class MixSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompts: str = Field(description="'synth' (synthesized from the target) or a prompt file / bundled:NAME")
+    weight: float = Field(1.0, gt=0)
+
+    @field_validator("prompts")
+    @classmethod
+    def _readable(cls, v: str) -> str:
+        return v if v == "synth" else _check_prompt_file(v)
+
+
+def _check_prompt_file(v: str) -> str:
+    if v.startswith(("s3://", "pending")):
+        return v
+    load_prompts(resolve_prompt_file(v), limit=1)  # raises PromptFileError naming the record and field
+    return v
+
+
 class Spec(StageSpec):
-    prompts: str = Field(description="prompt file (messages-JSONL, ShareGPT, MT-bench) or bundled:sharegpt")
+    prompts: str | None = Field(None, description="prompt file (messages-JSONL, ShareGPT, MT-bench), bundled:sharegpt")
+    synthesize: int = Field(0, ge=0, le=1_000_000, description="also synthesize N prompts from the target (Magpie)")
+    synth_seed: int = Field(0, description="seed for prompt synthesis (reproducible)")
+    mix: list[MixSource] = Field([], description="weighted sources instead of prompts/synthesize; needs limit")
+    held_out: str | None = Field("bundled:mt_bench", description="evaluation prompts kept out of training data")
     endpoint: str | None = Field(None, description="OpenAI-compatible base URL; none = in-process target")
     model: str | None = Field(None, description="served model name at the endpoint (default: the target)")
     target: str = Field(BUNDLED, description="the target whose chat template the data is for")
@@ -45,14 +83,25 @@ class Spec(StageSpec):
     limit: int | None = Field(None, ge=1, description="use the first N prompts")
     max_turns: int | None = Field(None, ge=1, description="regenerate at most this many assistant turns")
     shard_size: int = Field(1000, ge=1)
+    initial_concurrency: int | None = Field(None, ge=1, description="AIMD start (default min(4, concurrency))")
+    max_attempts: int = Field(6, ge=1, le=100, description="tries per request before the dead-letter file")
+    request_timeout_s: float | None = Field(None, gt=0, description="read timeout (default sized to max_tokens)")
+    checkpoint_every: int = Field(8, ge=1, description="finished samples per journal part (resume granularity)")
 
-    @field_validator("prompts")
+    @field_validator("prompts", "held_out")
     @classmethod
-    def _prompts_readable(cls, v: str) -> str:
-        if v.startswith(("s3://", "pending")):
-            return v
-        load_prompts(resolve_prompt_file(v), limit=1)  # raises PromptFileError naming the record and field
-        return v
+    def _prompts_readable(cls, v: str | None) -> str | None:
+        return v if v is None else _check_prompt_file(v)
+
+    @model_validator(mode="after")
+    def _has_source(self):
+        if not (self.prompts or self.synthesize or self.mix):
+            raise ValueError("give prompts, synthesize > 0, or mix")
+        if self.mix and (self.prompts or self.synthesize):
+            raise ValueError("mix replaces prompts/synthesize; give one or the other")
+        if self.mix and not self.limit:
+            raise ValueError("a mix needs limit (the total number of prompts to split by weight)")
+        return self
 
     @field_validator("endpoint")
     @classmethod
@@ -62,75 +111,250 @@ class Spec(StageSpec):
         return v
 
 
-async def _converse(engine: Engine, prompt: Prompt, spec: Spec) -> dict:
-    messages: list[dict] = [{"role": "system", "content": prompt.system}] if prompt.system else []
-    turns = []
-    for user in prompt.user_turns[: spec.max_turns]:
-        messages.append({"role": "user", "content": user})
-        c = await engine.chat([{"role": m["role"], "content": m["content"]} for m in messages], spec.sampling)
-        reply = {"role": "assistant", "content": c.content}
-        if c.reasoning_content:
-            reply["reasoning_content"] = c.reasoning_content
-        messages.append(reply)
-        turns.append({"finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
-                      "completion_tokens": c.completion_tokens, "latency_s": round(c.latency_s, 3)})
-    return {"id": prompt.id, "source": prompt.source, "messages": messages, "turns": turns,
-            "sampling": spec.sampling.model_dump(exclude={"chat_template_kwargs"}),
-            "chat_template_kwargs": spec.sampling.chat_template_kwargs, **({"meta": prompt.meta} if prompt.meta else {})}
+RETRY_STATUS = frozenset({408, 409, 425, 429})
 
 
-async def generate(spec: Spec, prompts: list[Prompt], engine: Engine, ctx: StageContext) -> tuple[list[dict], list[dict]]:
-    """Run every prompt with at most `concurrency` in flight. Returns (records in prompt order, failures)."""
-    sem = asyncio.Semaphore(spec.concurrency)
-    results: dict[str, dict] = {}
-    failures: list[dict] = []
-    tokens, t0 = 0, time.monotonic()
-
-    async def one(p: Prompt):
-        nonlocal tokens
-        async with sem:
-            try:
-                rec = await _converse(engine, p, spec)
-            except EngineError as e:
-                failures.append({"id": p.id, "error": str(e)})
-                return
-        results[p.id] = rec
-        tokens += sum(t["completion_tokens"] for t in rec["turns"])
-        ctx.metrics.update(completed=len(results), failed=len(failures), completion_tokens=tokens,
-                           tokens_per_s=round(tokens / max(time.monotonic() - t0, 1e-9), 1))
-        ctx.progress(len(results) + len(failures), len(prompts), "prompts")
-
-    from tqdm.asyncio import tqdm
-
-    await tqdm.gather(*(one(p) for p in prompts), desc="generate", unit="prompt")
-    return [results[p.id] for p in prompts if p.id in results], failures
+def _retryable(e: BaseException) -> bool:
+    """Timeouts, connection errors, malformed responses, 408/409/425/429 and 5xx; never other 4xx."""
+    return isinstance(e, EngineError) and (e.status is None or e.status in RETRY_STATUS or e.status >= 500)
 
 
-def run(spec: Spec, ctx: StageContext) -> StageResult:
-    if spec.prompts.startswith("s3://"):
+def _wait(state: RetryCallState) -> float:
+    """Exponential backoff with jitter, but never sooner than the server's Retry-After."""
+    backoff = wait_exponential_jitter(initial=0.5, max=30.0)(state)
+    exc = state.outcome.exception() if state.outcome else None
+    return max(backoff, getattr(exc, "retry_after", None) or 0.0)
+
+
+class DeadLetter(Exception):
+    def __init__(self, prompt_id: str, reason: str, attempts: int):
+        super().__init__(reason)
+        self.record = {"id": prompt_id, "error": reason, "attempts": attempts}
+
+
+class Journal:
+    """Finished samples, committed in small atomic parts under the output prefix: the source of resume.
+    A rerun (or a redelivered task) reads them and regenerates none; kill -9 loses only unflushed samples,
+    which are regenerated, so nothing is lost and nothing is written twice into the final shards."""
+
+    def __init__(self, artifact: Artifact, flush_every: int = 8, flush_s: float = 5.0):
+        self.artifact, self.flush_every, self.flush_s = artifact, flush_every, flush_s
+        self.buffer: list[dict] = []
+        self._last = time.monotonic()
+
+    def load(self) -> dict[str, dict]:
+        done: dict[str, dict] = {}
+        for name in sorted(n for n in self.artifact.names() if n.startswith("parts/part-")):
+            for line in self.artifact.get_bytes(name).decode().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    done.setdefault(rec["id"], rec)
+        return done
+
+    def add(self, record: dict) -> None:
+        self.buffer.append(record)
+        if len(self.buffer) >= self.flush_every or time.monotonic() - self._last > self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.buffer).encode()
+            self.artifact.put_bytes(f"parts/part-{time.time_ns()}-{uuid.uuid4().hex[:6]}.jsonl", body)
+            self.buffer = []
+        self._last = time.monotonic()
+
+
+class Generator:
+    """Regenerates a prompt set through an engine: throttled (AIMD within a global maximum), retried, journaled."""
+
+    def __init__(self, spec: Spec, engine: Engine, throttle: Throttle, journal: Journal, ctx: StageContext):
+        self.spec, self.engine, self.throttle, self.journal, self.ctx = spec, engine, throttle, journal, ctx
+        self.stats = {"completed": 0, "failed": 0, "retried": 0, "completion_tokens": 0}
+        self._t0 = time.monotonic()
+
+    async def _turn(self, prompt_id: str, messages: list[dict]) -> Completion:
+        attempts = 0
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.spec.max_attempts), wait=_wait,
+                                               retry=retry_if_exception(_retryable), reraise=True):
+                with attempt:
+                    attempts += 1
+                    if attempts > 1:
+                        self.stats["retried"] += 1
+                    async with self.throttle.slot():
+                        try:
+                            c = await self.engine.chat(messages, self.spec.sampling)
+                        except EngineError as e:
+                            if _retryable(e):  # overload or a failing server: back off
+                                await self.throttle.congestion()
+                            raise
+                    await self.throttle.success(c.latency_s)
+                    return c
+        except EngineError as e:
+            raise DeadLetter(prompt_id, str(e), attempts) from e
+        raise AssertionError("unreachable")
+
+    async def converse(self, prompt: Prompt) -> dict:
+        """Each assistant turn is conditioned on the regenerated history; the system prompt is kept."""
+        messages: list[dict] = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        turns = []
+        for user in prompt.user_turns[: self.spec.max_turns]:
+            messages.append({"role": "user", "content": user})
+            c = await self._turn(prompt.id, [{"role": m["role"], "content": m["content"]} for m in messages])
+            reply = {"role": "assistant", "content": c.content}
+            if c.reasoning_content:
+                reply["reasoning_content"] = c.reasoning_content
+            messages.append(reply)
+            turns.append({"finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+                          "completion_tokens": c.completion_tokens, "latency_s": round(c.latency_s, 3)})
+        return {"id": prompt.id, "source": prompt.source, "messages": messages, "turns": turns,
+                "sampling": self.spec.sampling.model_dump(exclude={"chat_template_kwargs"}),
+                "chat_template_kwargs": self.spec.sampling.chat_template_kwargs,
+                **({"meta": prompt.meta} if prompt.meta else {})}
+
+    def _report(self, total: int) -> None:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        self.ctx.metrics.update(**self.stats, in_flight=self.throttle.in_flight,
+                                concurrency=round(self.throttle.aimd.limit, 2),
+                                tokens_per_s=round(self.stats["completion_tokens"] / elapsed, 1))
+        self.ctx.progress(self.stats["completed"] + self.stats["failed"], total, "prompts")
+
+    async def run(self, prompts: list[Prompt], done: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
+        """Generate every prompt not in `done`; returns (all finished records by id, dead letters)."""
+        from tqdm.asyncio import tqdm
+
+        results = dict(done)
+        failures: list[dict] = []
+        todo = [p for p in prompts if p.id not in done]
+        self.stats["completed"] = len(prompts) - len(todo)
+        queue: asyncio.Queue[Prompt] = asyncio.Queue()
+        for p in todo:
+            queue.put_nowait(p)
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="generate", unit="prompt")
+
+        async def worker():
+            while not queue.empty():
+                p = queue.get_nowait()
+                try:
+                    rec = await self.converse(p)
+                except DeadLetter as e:
+                    failures.append(e.record)
+                    self.stats["failed"] += 1
+                else:
+                    results[p.id] = rec
+                    self.journal.add(rec)
+                    self.stats["completed"] += 1
+                    self.stats["completion_tokens"] += sum(t["completion_tokens"] for t in rec["turns"])
+                bar.update(1)
+                self._report(len(prompts))
+
+        # one task per possible slot; the throttle decides how many are in flight
+        await asyncio.gather(*(worker() for _ in range(min(self.spec.concurrency, max(len(todo), 1)))))
+        self.journal.flush()
+        bar.close()
+        return results, failures
+
+
+def _load_file(uri: str) -> list[Prompt]:
+    if uri.startswith("s3://"):
         from eyas.store import open_artifact
 
-        bucket_uri, _, name = spec.prompts.rpartition("/")
+        bucket_uri, _, name = uri.rpartition("/")
         with tempfile.TemporaryDirectory(prefix="eyas-prompts-") as tmp:
             # keep the object's file name: prompt ids derive from it and must not change between runs
             open_artifact(bucket_uri).get_file(name, Path(tmp) / name)
-            prompts = load_prompts(Path(tmp) / name, limit=spec.limit)
+            return load_prompts(Path(tmp) / name)
+    return load_prompts(resolve_prompt_file(uri))
+
+
+def quotas(weights: list[float], total: int) -> list[int]:
+    """Split `total` by weight (largest remainder), so a mix keeps its weights to within one prompt."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+async def gather_prompts(spec: Spec, engine: Engine, tokenizer) -> tuple[list[Prompt], dict[str, int]]:
+    """The job's prompts from every source, with held-out (evaluation) prompts dropped and counted."""
+    held = [t for p in _load_file(spec.held_out) for t in p.user_turns] if spec.held_out else []
+    guard = NearDupIndex(held)
+    counts: dict[str, int] = {"held_out_dropped": 0}
+    if spec.mix:
+        sources = list(zip([m.prompts for m in spec.mix], quotas([m.weight for m in spec.mix], spec.limit),
+                           strict=True))
     else:
-        prompts = load_prompts(resolve_prompt_file(spec.prompts), limit=spec.limit)
-    tok_hash = tokenizer_hash(load_tokenizer(spec.target))
+        sources = ([(spec.prompts, spec.limit)] if spec.prompts else []) + (
+            [("synth", spec.synthesize)] if spec.synthesize else [])
+    prompts: list[Prompt] = []
+    for source, quota in sources:
+        if source == "synth":
+            got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, seed=spec.synth_seed,
+                                                         held_out=held)
+            counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
+            counts["held_out_dropped"] += synth_counts["held_out"]
+        else:
+            got = []
+            for p in _load_file(source):
+                if any(guard.find(t) is not None for t in p.user_turns):
+                    counts["held_out_dropped"] += 1
+                    continue
+                got.append(p)
+            got = got[:quota] if quota else got
+        counts[f"source:{source}"] = len(got)
+        prompts += got
+    return prompts, counts
+
+
+PROMPTS_FILE = "prompts.jsonl"  # the job's resolved prompt list, fixed at the first run (resume reuses it)
+
+
+def _make_throttle(spec: Spec, settings) -> Throttle:
+    if spec.endpoint is None:  # in-process: the engine batches whatever is in flight
+        return Throttle(AimdState(limit=spec.concurrency, maximum=spec.concurrency))
+    leases = None
+    if settings.mode == "service":  # every worker shares one maximum per endpoint
+        leases = GlobalLeases(settings.redis_url, spec.endpoint, spec.concurrency,
+                              lease_s=request_timeout(spec.sampling.max_tokens) + 30)
+    start = spec.initial_concurrency or min(4, spec.concurrency)
+    return Throttle(AimdState(limit=start, maximum=spec.concurrency), leases)
+
+
+def run(spec: Spec, ctx: StageContext) -> StageResult:
+    tokenizer = load_tokenizer(spec.target)
+    tok_hash = tokenizer_hash(tokenizer)
+    journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
 
     async def main():
-        engine: Engine = (HttpEngine(spec.endpoint, spec.model or "target") if spec.endpoint
-                          else InProcessEngine(spec.target, max_batch=spec.concurrency))
+        engine: Engine = (HttpEngine(spec.endpoint, spec.model or "target", timeout_s=spec.request_timeout_s)
+                          if spec.endpoint else InProcessEngine(spec.target, max_batch=spec.concurrency))
+        throttle = _make_throttle(spec, ctx.settings)
         try:
-            return await generate(spec, prompts, engine, ctx)
+            if ctx.output.exists(PROMPTS_FILE):  # resume: the same prompts, not a fresh synthesis
+                saved = json.loads(ctx.output.get_bytes(PROMPTS_FILE))
+                prompts, source_counts = [Prompt(**p) for p in saved["prompts"]], saved["counts"]
+            else:
+                prompts, source_counts = await gather_prompts(spec, engine, tokenizer)
+                ctx.output.put_bytes(PROMPTS_FILE, json.dumps(
+                    {"prompts": [dataclasses.asdict(p) for p in prompts], "counts": source_counts}).encode())
+            done = journal.load()
+            if done:
+                log.info("resuming: %d of %d prompts already finished", len(done), len(prompts))
+            gen = Generator(spec, engine, throttle, journal, ctx)
+            results, failures = await gen.run(prompts, done)
+            return prompts, source_counts, results, failures, gen.stats
         finally:
             await engine.aclose()
+            if throttle.leases is not None:
+                await throttle.leases.aclose()
 
     t0 = time.monotonic()
-    records, failures = asyncio.run(main())
+    prompts, source_counts, results, failures, stats = asyncio.run(main())
     elapsed = time.monotonic() - t0
+    records = [results[p.id] for p in prompts if p.id in results]  # prompt order, each id once
     writer = ArtifactWriter(ctx.output)
+    writer.put_bytes(PROMPTS_FILE, ctx.output.get_bytes(PROMPTS_FILE))  # same bytes; now hashed in the manifest
     with tempfile.TemporaryDirectory(prefix="eyas-gen-") as tmp:
         for i in range(0, len(records), spec.shard_size):
             path = Path(tmp) / f"conversations-{i // spec.shard_size:05d}.jsonl"
@@ -141,14 +365,17 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             path.write_text("".join(json.dumps(f) + "\n" for f in failures))
             writer.put_file(path.name, path)
     completion_tokens = sum(t["completion_tokens"] for r in records for t in r["turns"])
-    metrics = {"completed": len(records), "failed": len(failures), "completion_tokens": completion_tokens,
-               "tokens_per_s": round(completion_tokens / max(elapsed, 1e-9), 1), "seconds": round(elapsed, 1)}
+    metrics = {"completed": len(records), "failed": len(failures), "retried": stats["retried"],
+               "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
+               "tokens_per_s": round(stats["completion_tokens"] / max(elapsed, 1e-9), 1)}
     writer.commit(Manifest(
-        kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"), inputs=[spec.prompts],
+        kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
+        inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
         counts={"prompts": len(prompts), "conversations": len(records), "failed": len(failures),
-                "completion_tokens": completion_tokens},
+                "completion_tokens": completion_tokens, **source_counts},
         extra={"target": spec.target, "tokenizer_hash": tok_hash, "endpoint": spec.endpoint, "metrics": metrics},
     ))
+    ctx.output.store.delete_prefix(ctx.output.key("parts"))  # the journal is folded into the shards
     log.info("generated %d conversations (%d failed), %d tokens at %.1f tok/s → %s", len(records), len(failures),
              completion_tokens, metrics["tokens_per_s"], ctx.output.uri)
     return StageResult(output_uri=ctx.output.uri, metrics=metrics)

@@ -45,6 +45,12 @@ class EngineError(RuntimeError):
 
 class Engine(Protocol):
     async def chat(self, messages: list[dict], params: SamplingParams) -> Completion: ...
+
+    async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
+        """Raw-text completions (no chat template), stopping at the end-of-turn token; with a seed, request i
+        is reproducible (it samples with seed + i, or per fixed batch in-process)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -55,7 +61,8 @@ def request_timeout(max_tokens: int, min_tokens_per_s: float = 2.0, base_s: floa
 
 class HttpEngine:
     def __init__(self, endpoint: str, model: str, api_key: str | None = None, max_connections: int = 256,
-                 min_tokens_per_s: float = 2.0):
+                 min_tokens_per_s: float = 2.0, timeout_s: float | None = None):
+        self.timeout_s = timeout_s
         self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1")
         self.model = model
         self.min_tokens_per_s = min_tokens_per_s
@@ -64,17 +71,10 @@ class HttpEngine:
             headers=headers, limits=httpx.Limits(max_connections=max_connections,
                                                  max_keepalive_connections=max_connections))
 
-    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
-                                "temperature": params.temperature, "top_p": params.top_p}
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.chat_template_kwargs:
-            body["chat_template_kwargs"] = params.chat_template_kwargs
-        timeout = httpx.Timeout(request_timeout(params.max_tokens, self.min_tokens_per_s), connect=10.0)
-        t0 = time.monotonic()
+    async def _post(self, path: str, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+        timeout = httpx.Timeout(self.timeout_s or request_timeout(max_tokens, self.min_tokens_per_s), connect=10.0)
         try:
-            resp = await self.client.post(f"{self.url}/chat/completions", json=body, timeout=timeout)
+            resp = await self.client.post(f"{self.url}{path}", json=body, timeout=timeout)
         except httpx.TimeoutException as e:
             raise EngineError(f"timeout after {timeout.read:.0f} s: {type(e).__name__}") from e
         except httpx.TransportError as e:
@@ -85,10 +85,22 @@ class HttpEngine:
                               retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None)
         try:
             data = resp.json()
-            choice = data["choices"][0]
-            msg = choice["message"]
-        except (ValueError, KeyError, IndexError) as e:
+            data["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
             raise EngineError(f"malformed response: {resp.text[:200]!r}") from e
+        return data
+
+    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
+                                "temperature": params.temperature, "top_p": params.top_p}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.chat_template_kwargs:
+            body["chat_template_kwargs"] = params.chat_template_kwargs
+        t0 = time.monotonic()
+        data = await self._post("/chat/completions", body, params.max_tokens)
+        choice = data["choices"][0]
+        msg = choice["message"]
         usage = data.get("usage") or {}
         return Completion(
             content=msg.get("content") or "",
@@ -98,6 +110,25 @@ class HttpEngine:
             completion_tokens=int(usage.get("completion_tokens", 0)),
             latency_s=time.monotonic() - t0,
         )
+
+    async def complete_many(self, texts: list[str], params: SamplingParams, concurrency: int = 16) -> list[Completion]:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, text: str) -> Completion:
+            body: dict[str, Any] = {"model": self.model, "prompt": text, "max_tokens": params.max_tokens,
+                                    "temperature": params.temperature, "top_p": params.top_p}
+            if params.seed is not None:
+                body["seed"] = params.seed + i
+            async with sem:
+                data = await self._post("/completions", body, params.max_tokens)
+            choice = data["choices"][0]
+            usage = data.get("usage") or {}
+            return Completion(content=choice.get("text") or "", reasoning_content=None,
+                              finish_reason=choice.get("finish_reason") or "unknown",
+                              prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                              completion_tokens=int(usage.get("completion_tokens", 0)))
+
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -142,7 +173,8 @@ class InProcessEngine:
                 for p in batch:
                     self._pending.remove(p)
                 try:
-                    results = await asyncio.to_thread(self._generate, [b[0] for b in batch], key)
+                    texts = [self.render(b[0], key) for b in batch]
+                    results = await asyncio.to_thread(self.generate_texts, texts, key)
                     for (_, _, fut), res in zip(batch, results, strict=True):
                         if not fut.done():
                             fut.set_result(res)
@@ -151,24 +183,35 @@ class InProcessEngine:
                         if not fut.done():
                             fut.set_exception(EngineError(f"in-process generation failed: {e}"))
 
-    def _generate(self, conversations: list[list[dict]], params: SamplingParams) -> list[Completion]:
+    def render(self, messages: list[dict], params: SamplingParams) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            **params.chat_template_kwargs)
+
+    async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
+        # Fixed batches in order, each seeded from (seed, batch index): reproducible whatever else runs.
+        out: list[Completion] = []
+        for b, i in enumerate(range(0, len(texts), self.max_batch)):
+            p = params if params.seed is None else params.model_copy(update={"seed": params.seed + b})
+            out += await asyncio.to_thread(self.generate_texts, texts[i:i + self.max_batch], p)
+        return out
+
+    def generate_texts(self, texts: list[str], params: SamplingParams) -> list[Completion]:
         torch = self.torch
         t0 = time.monotonic()
-        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
-                                              **params.chat_template_kwargs) for c in conversations]
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         gen_kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tok.pad_token_id,
                                       "eos_token_id": self.tok.eos_token_id}
-        if params.temperature > 0:
-            gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+        sampling = params.temperature > 0
+        if sampling:
+            gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=None)
         else:
             gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         with self._lock, torch.inference_mode():
+            if sampling and params.seed is not None:
+                torch.manual_seed(params.seed)
             out = self.target.model.generate(**enc, **gen_kwargs)
         new = out[:, enc["input_ids"].shape[1]:]
         results = []

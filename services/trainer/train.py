@@ -284,11 +284,13 @@ def train(spec, layout: Layout, reader: FeatureReader, output: Artifact, report:
         step, position, history = state["step"], DataPosition(**state["data"]), state["history"]
         log.info("resuming from %s at step %d", source.uri, step)
 
+    tops_train, tops_val = TopCache(run.train, head), TopCache(run.val, head)
+    if step == 0:  # where training starts from, for the record
+        history["val"].append({"step": 0, **validate(spec, run, tops_val, device)})
     model = TTTObjective(drafter, head, spec.ttt_steps)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     stream = BatchStream([s.input_ids.numel() for s in run.train], spec.batch_tokens, spec.seed, position)
-    tops_train, tops_val = TopCache(run.train, head), TopCache(run.val, head)
     total, K = run.total_steps, spec.ttt_steps
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=True if rank else None)
     while step < total:

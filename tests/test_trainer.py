@@ -1,0 +1,377 @@
+"""Trainer stage on real features: the bundled target run by the real extractor over a few real conversations
+(questions about Python standard-library modules, answered with the modules' own documentation)."""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eyas.drafter import Drafter, TTTCache, load_drafter
+from eyas.embedded import Embedded
+from eyas.features import FeatureReader, is_validation
+from eyas.layout import Layout, LayoutMismatch
+from eyas.manifest import ArtifactWriter, Manifest, read_manifest
+from eyas.settings import Settings
+from eyas.stages import StageContext
+from eyas.store import Artifact, open_artifact
+from eyas.target import BUNDLED, load_target_head, load_tokenizer, tokenizer_hash
+from services.trainer import core
+from services.trainer.data import collate, eval_plan
+from services.trainer.export import check_export, export_drafter, speculators_config
+from services.trainer.train import drafter_config
+from services.trainer.ttt import label_rows, target_top, ttt_forward
+from services.trainer.vocab import select_vocab, token_counts
+
+MODULES = ["json", "csv", "argparse", "collections", "itertools", "functools", "pathlib", "shutil", "tempfile",
+           "subprocess", "threading", "queue", "heapq", "bisect", "statistics", "fractions", "decimal", "random",
+           "string", "textwrap", "difflib", "datetime", "calendar", "hashlib", "secrets", "base64", "struct",
+           "pickle", "copy", "pprint", "dataclasses", "contextlib", "inspect", "logging"]
+VAL_EVERY = 5
+SMALL = {"ttt_steps": 2, "draft_vocab_size": 256, "batch_tokens": 256, "lr": 1e-3, "warmup": 2,
+         "val_every": VAL_EVERY}
+
+
+def conversations() -> list[dict]:
+    recs = []
+    for name in MODULES:
+        doc = (importlib.import_module(name).__doc__ or "").strip()
+        if len(doc) >= 80:
+            recs.append({"id": name, "messages": [
+                {"role": "user", "content": f"What is the Python module {name} for?"},
+                {"role": "assistant", "content": doc[:320]}]})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def emb(tmp_path_factory) -> Embedded:
+    torch.set_num_threads(2)
+    return Embedded(Settings(workdir=tmp_path_factory.mktemp("trainer")))
+
+
+@pytest.fixture(scope="module")
+def features(emb) -> str:
+    data = Artifact(emb.store, "datasets/docs")
+    w = ArtifactWriter(data)
+    w.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in conversations()).encode())
+    w.commit(Manifest(kind="dataset", id="docs", extra={"tokenizer_hash": tokenizer_hash(load_tokenizer(BUNDLED))}))
+    job = emb.run_job("extract", {"data": data.uri})[-1]
+    assert job.state == "succeeded", job.error
+    return job.artifacts["output"]
+
+
+@pytest.fixture(scope="module")
+def trained(emb, features):
+    spec = {"features": features, "ttt_steps": 2, "draft_vocab_size": 512, "batch_tokens": 512, "steps": 30,
+            "lr": 1e-3, "warmup": 5, "val_interval": 10, "val_every": VAL_EVERY, "checkpoint_every": 10}
+    job = emb.run_job("train", spec)[-1]
+    assert job.state == "succeeded", job.error
+    return job
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class Ctx(StageContext):
+    """A stage context whose worker dies at a given step (fault injection); progress is otherwise not stored."""
+
+    crash_at: int | None = None
+
+    def progress(self, done: int, total: int, unit: str = "", force: bool = False) -> None:
+        if done == self.crash_at:
+            raise Crash(f"worker died at step {done}")
+
+
+def context(emb: Embedded, name: str, crash_at: int | None = None) -> Ctx:
+    ctx = Ctx(job_id=name, settings=emb.settings, store=emb.store, jobs=emb.jobs,
+              output=Artifact(emb.store, f"drafters/{name}"))
+    ctx.crash_at = crash_at
+    return ctx
+
+
+def history(ctx: StageContext) -> dict:
+    return json.loads(ctx.output.get_bytes("history.json"))
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def test_vocab_is_top_frequency_with_id_ties_and_low_id_padding():
+    counts = torch.zeros(20, dtype=torch.int64)
+    counts[[7, 3, 12, 5]] = torch.tensor([5, 9, 5, 1])
+    assert select_vocab(counts, 3).tolist() == [3, 7, 12]  # 3 (9), then 7 and 12 tie at 5: lower id first
+    assert select_vocab(counts, 6).tolist() == [0, 1, 3, 5, 7, 12]  # 4 seen ids, padded with the lowest unused
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        select_vocab(counts, 21)
+
+
+def test_vocab_counts_supervised_train_tokens_only(features):
+    samples = list(FeatureReader(open_artifact(features)).samples())
+    train = [s for i, s in enumerate(samples) if not is_validation(i, VAL_EVERY)]
+    counts = token_counts(train, 49152)
+    want = torch.zeros(49152, dtype=torch.int64)
+    for s in train:
+        for tok, m in zip(s.input_ids.tolist(), s.loss_mask.tolist(), strict=True):
+            want[tok] += m
+    assert torch.equal(counts, want)
+    assert int(counts.sum()) == sum(int(s.loss_mask.sum()) for s in train)
+
+
+# ---------------------------------------------------------------- TTT
+
+
+def reference_ttt(drafter: Drafter, sample, head: torch.Tensor, steps: int, decay: float):
+    """Spec §4 written out position by position as serving drafts: for each index t, a fresh cache, step 0 over
+    the context 0..t, then one token per step (teacher-forced x_{t+1+k}, position t+k, the previous pre-norm
+    state), against the target's distribution at t+1+k restricted to the draft vocabulary."""
+    ids, mask, T = sample.input_ids, sample.loss_mask, sample.input_ids.numel()
+    used = torch.arange(drafter.cfg.draft_vocab_size) + drafter.d2t
+    y = sample.final_hidden.float()
+    full_top = (y @ head.T).argmax(-1)
+    p = torch.softmax(y @ head[used].T, -1)
+    ce, correct, count = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    for t in range(T - 1):
+        cache = TTTCache()
+        h = drafter.project(sample.aux_hidden[None, : t + 1].float())
+        for k in range(steps):
+            s = t + 1 + k
+            if s >= T:
+                break
+            if k == 0:
+                h = drafter.step(ids[None, 1: t + 2], h, torch.arange(t + 1)[None], cache)[:, -1:]
+            else:
+                h = drafter.step(ids[None, s: s + 1], h, torch.tensor([[t + k]]), cache)
+            if mask[t + k] and drafter.t2d[full_top[s]]:
+                logq = torch.log_softmax(drafter.logits(h)[0, 0], -1)
+                ce[k] += -(p[s] * logq).sum()
+                correct[k] += float(logq.argmax() == p[s].argmax())
+                count[k] += 1
+    objective = sum(decay ** k * ce[k] for k in range(steps))
+    return objective, ce, correct, count
+
+
+@torch.no_grad()
+def test_ttt_forward_is_the_serving_recursion(features):
+    """ttt_forward's batched, teacher-forced TTT equals drafting each position the way an engine does."""
+    sample = next(iter(FeatureReader(open_artifact(features)).samples()))
+    sample.input_ids, sample.loss_mask = sample.input_ids[:24], sample.loss_mask[:24].clone()
+    sample.aux_hidden, sample.final_hidden = sample.aux_hidden[:24], sample.final_hidden[:24]
+    sample.loss_mask[:] = 1
+    sample.loss_mask[3] = 0
+    embed, head = load_target_head(BUNDLED)
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(BUNDLED, 2048))
+    drafter.embed_tokens.weight.copy_(embed)
+    counts = torch.bincount(sample.input_ids, minlength=49152)
+    drafter.set_vocab(select_vocab(counts, 2048))
+    steps = 3
+    got = ttt_forward(drafter, collate([sample]), head, steps, decay=0.8)
+    objective, ce, correct, count = reference_ttt(drafter, sample, head, steps, 0.8)
+    assert got.count.tolist() == count.tolist() and count[0] > 15
+    assert got.correct.tolist() == correct.tolist()
+    torch.testing.assert_close(got.ce_sum, ce, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got.objective, objective, rtol=1e-4, atol=1e-3)
+    # Padding a sample into a longer batch changes nothing; a precomputed target top-1 changes nothing.
+    other = FeatureReader(open_artifact(features)).samples()
+    longer = [s for s in other if s.input_ids.numel() > 24][0]
+    top = target_top(sample.final_hidden, head, label_rows(sample.loss_mask))
+    padded = collate([sample, longer], [top, target_top(longer.final_hidden, head)])
+    both = ttt_forward(drafter, padded, head, steps, decay=0.8)
+    alone = ttt_forward(drafter, collate([longer]), head, steps, decay=0.8)
+    torch.testing.assert_close(both.ce_sum, got.ce_sum + alone.ce_sum, rtol=1e-4, atol=1e-3)
+    assert both.count.tolist() == (got.count + alone.count).tolist()
+
+
+# ---------------------------------------------------------------- training
+
+
+def most_frequent_token_baseline(features: str) -> float:
+    """Step-0 accuracy of always proposing the train split's most frequent target top-1 token."""
+    _, head = load_target_head(BUNDLED)
+    tops = {True: [], False: []}
+    for i, s in enumerate(FeatureReader(open_artifact(features)).samples()):
+        top = target_top(s.final_hidden, head)
+        tops[is_validation(i, VAL_EVERY)].append(top[1:][s.loss_mask[:-1].bool()])
+    best = torch.cat(tops[False]).bincount().argmax()
+    val = torch.cat(tops[True])
+    return float((val == best).float().mean())
+
+
+def test_short_run_learns(trained, features):
+    art = open_artifact(trained.artifacts["output"])
+    manifest = read_manifest(art, kind="drafter")
+    h = json.loads(art.get_bytes("history.json"))
+    assert [e["step"] for e in h["val"]] == [0, 10, 20, 30]
+    assert [e["step"] for e in h["train"]] == list(range(1, 31))
+    assert set(h["train"][0]) == {"step", "loss", "acc", "lr", "tokens_per_s"} and len(h["train"][0]["acc"]) == 2
+    first, last = h["val"][0], h["val"][-1]
+    assert last["loss"] < 0.75 * first["loss"]
+    baseline = most_frequent_token_baseline(features)
+    assert last["acc"][0] > max(3 * baseline, 0.15), (last["acc"], baseline)
+    assert last["acc"][0] > first["acc"][0] + 0.1
+    # the artifact: manifest contract, exports, history, no leftover checkpoints
+    assert manifest.layout == FeatureReader(open_artifact(features)).manifest.layout
+    assert manifest.inputs == [features]
+    assert {"ttt_steps", "draft_vocab_size", "val_every", "target", "metrics"} <= set(manifest.extra)
+    assert manifest.extra["val_every"] == VAL_EVERY and manifest.extra["metrics"]["val_acc"] == last["acc"]
+    assert set(manifest.files) == {"eagle/config.json", "eagle/model.safetensors", "speculators/config.json",
+                                   "speculators/model.safetensors", "history.json"}
+    assert not [n for n in art.names() if n.startswith("checkpoints/")]
+    assert trained.metrics["val_acc"] == last["acc"] and trained.progress.done == 30
+
+
+EAGLE_SHAPES = {  # SmolLM2-135M target: H = 576, 9 heads, 3 kv heads, head_dim 64, I = 1536, V = 49152
+    "fc.weight": [576, 1728],
+    "midlayer.input_layernorm.weight": [576], "midlayer.hidden_norm.weight": [576],
+    "midlayer.self_attn.q_proj.weight": [576, 1152], "midlayer.self_attn.k_proj.weight": [192, 1152],
+    "midlayer.self_attn.v_proj.weight": [192, 1152], "midlayer.self_attn.o_proj.weight": [576, 576],
+    "midlayer.post_attention_layernorm.weight": [576],
+    "midlayer.mlp.gate_proj.weight": [1536, 576], "midlayer.mlp.up_proj.weight": [1536, 576],
+    "midlayer.mlp.down_proj.weight": [576, 1536],
+    "norm.weight": [576], "lm_head.weight": [512, 576], "d2t": [512], "t2d": [49152],
+}
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+def test_exports_have_the_engine_layouts(trained, features, tmp_path):
+    art = open_artifact(trained.artifacts["output"])
+    for name in read_manifest(art).files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        art.get_file(name, tmp_path / name)
+    eagle = read_tensors(tmp_path / "eagle/model.safetensors")
+    assert {k: list(v.shape) for k, v in eagle.items()} == EAGLE_SHAPES
+    assert eagle["d2t"].dtype == torch.int64 and eagle["t2d"].dtype == torch.bool
+    assert all(v.dtype == torch.float32 for k, v in eagle.items() if k not in ("d2t", "t2d"))
+    used = torch.arange(512) + eagle["d2t"]
+    assert torch.equal(used, torch.nonzero(eagle["t2d"]).flatten())  # ascending target ids, i + d2t[i]
+    cfg = json.loads((tmp_path / "eagle/config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], cfg["draft_vocab_size"]) == (
+        1, 576, 49152, 512)
+    assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False
+    assert cfg["hidden_act"] == "silu" and cfg["rope_theta"] == 100000.0
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg and "eagle_config" not in cfg  # default layers: omitted
+    assert "target_hidden_size" not in cfg  # H == H_t
+
+    spec_t = read_tensors(tmp_path / "speculators/model.safetensors")
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in eagle.items()}
+    assert spec_t.keys() == renamed.keys() and all(torch.equal(spec_t[k], renamed[k]) for k in spec_t)
+    scfg = json.loads((tmp_path / "speculators/config.json").read_text())
+    assert scfg["speculators_model_type"] == "eagle3" and scfg["norm_before_residual"] is False
+    assert scfg["draft_vocab_size"] == 512 and scfg["target_hidden_size"] == 576
+    layer = scfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 49152
+    sc = scfg["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 2
+    assert Path(sc["verifier"]["name_or_path"], "config.json").is_file()
+    assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
+
+    # THE loader reads eagle/ back into the same drafter: its validation accuracy is the manifest's.
+    embed, head = load_target_head(BUNDLED)
+    drafter, _ = load_drafter(tmp_path / "eagle", embed)
+    samples = list(FeatureReader(open_artifact(features)).samples())
+    val = [s for i, s in enumerate(samples) if is_validation(i, VAL_EVERY)]
+    correct, count = torch.zeros(2), torch.zeros(2)
+    with torch.no_grad():
+        for idx in eval_plan([s.input_ids.numel() for s in val], 512):
+            r = ttt_forward(drafter, collate([val[i] for i in idx]), head, 2)
+            correct, count = correct + r.correct, count + r.count
+    acc = (correct / count).tolist()
+    assert acc == pytest.approx(read_manifest(art).extra["metrics"]["val_acc"], abs=1e-6)
+
+
+def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
+    drafter = Drafter(drafter_config(BUNDLED, 64))
+    drafter.set_vocab(torch.arange(64))
+    base = dict(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
+                vocab_size=49152)
+    verifier = {"name_or_path": "x", "architectures": []}
+    # Non-default layers not starting at out(1): SGLang versions disagree on the offset → refused.
+    with pytest.raises(LayoutMismatch, match="SGLang"):
+        export_drafter(drafter, Layout(aux_layers=(2, 14, 25), **base), tmp_path, "float32", verifier, 3)
+    assert not list(tmp_path.iterdir())  # nothing written
+    # Non-default layers starting at out(1): per-engine ids are written, and both engines capture them.
+    layout = Layout(aux_layers=(1, 14, 25), **base)
+    export_drafter(drafter, layout, tmp_path, "float32", verifier, 3)
+    cfg = json.loads((tmp_path / "eagle/config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 26]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 25]
+    # A config written for the default layers does not serve features of other layers (and vice versa).
+    default_cfg = drafter.cfg.eagle_config(Layout(aux_layers=(1, 14, 26), **base), "float32")
+    with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
+        check_export(layout, default_cfg, speculators_config(cfg, layout, verifier, 3))
+    with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
+        check_export(layout, cfg, speculators_config(default_cfg, Layout(aux_layers=(1, 14, 26), **base),
+                                                     verifier, 3))
+
+
+def test_features_of_another_target_are_refused(emb, features, tmp_path):
+    src = Path(open_artifact(features).store.root)
+    shutil.copytree(src, tmp_path / "f")
+    m = json.loads((tmp_path / "f/manifest.json").read_text())
+    m["layout"]["tokenizer_hash"] = "0123456789abcdef"
+    (tmp_path / "f/manifest.json").write_text(json.dumps(m))
+    spec = core.Spec(features=str(tmp_path / "f"), steps=1, **SMALL)
+    with pytest.raises(LayoutMismatch, match="tokenizer_hash"):
+        core.run(spec, context(emb, "trn-foreign"))
+
+
+def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
+    spec = core.Spec(features=features, steps=8, checkpoint_every=3, val_interval=4, **SMALL)
+    straight = context(emb, "trn-straight")
+    core.run(spec, straight)
+
+    crashed = context(emb, "trn-crashed", crash_at=5)
+    with pytest.raises(Crash):
+        core.run(spec, crashed)
+    latest = json.loads(crashed.output.get_bytes("checkpoints/latest.json"))
+    assert latest["step"] == 3  # the step-5 crash lost steps 4 and 5
+    crashed.crash_at = None
+    core.run(spec, crashed)  # the redelivered task: resume="auto" continues from the checkpoint
+
+    a, b = history(straight), history(crashed)
+    assert [e["loss"] for e in a["train"]] == [e["loss"] for e in b["train"]]
+    assert [e["acc"] for e in a["train"]] == [e["acc"] for e in b["train"]]
+    assert a["val"] == b["val"]
+    for name in ("eagle/model.safetensors", "speculators/model.safetensors"):
+        assert straight.output.get_bytes(name) == crashed.output.get_bytes(name)
+
+    # A different spec must not continue someone else's checkpoint.
+    other = context(emb, "trn-other", crash_at=4)
+    with pytest.raises(Crash):
+        core.run(spec, other)
+    changed = spec.model_copy(update={"lr": 5e-4, "resume": other.output.uri})
+    with pytest.raises(ValueError, match="lr"):
+        core.run(changed, context(emb, "trn-changed"))
+
+
+def test_ddp_two_processes_match_one(emb, features):
+    spec = core.Spec(features=features, steps=4, val_interval=2, **{**SMALL, "batch_tokens": 512})
+    one, two = context(emb, "trn-one"), context(emb, "trn-two")
+    core.run(spec, one)
+    core.run(spec.model_copy(update={"processes": 2}), two)
+    a, b = history(one), history(two)
+    assert [e["step"] for e in b["train"]] == [1, 2, 3, 4] and two.metrics["step"] == 4
+    assert [e["loss"] for e in b["train"]] == pytest.approx([e["loss"] for e in a["train"]], rel=1e-4)
+    assert [e["loss"] for e in b["val"]] == pytest.approx([e["loss"] for e in a["val"]], rel=1e-4)
+    wa = read_tensors_bytes(one.output.get_bytes("eagle/model.safetensors"))
+    wb = read_tensors_bytes(two.output.get_bytes("eagle/model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5)
+
+
+def read_tensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
