@@ -120,20 +120,24 @@ def test_job_posted_over_http_runs_on_a_separate_worker(service_settings, vllm_u
     assert 'eyas_jobs_active{stage="extract",state="queued"} 1.0' in metrics
 
 
-N_PROMPTS = 6
+N_PROMPTS = 8
 
 
-def _start_and_catch_running(service, vllm_url, api_process, worker_process, tmp_path, n=N_PROMPTS):
+def _start_and_catch_running(service, vllm_url, api_process, worker_process, tmp_path, workers=1):
+    """Post a job and return once it is running with two samples done: (store, the worker running it, the other
+    workers, job getter, job id)."""
     store = _versioned_store(service)
-    prompts = _upload_prompts(store, tmp_path, n)
+    prompts = _upload_prompts(store, tmp_path, N_PROMPTS)
     api = api_process("generate", service)
-    worker = worker_process("generate", service)
+    started = [worker_process("generate", service) for _ in range(workers)]
     client, getter = _client(api.url)
     spec = {"prompts": prompts, "endpoint": vllm_url, "concurrency": 2, "sampling": {"max_tokens": 40},
             "checkpoint_every": 1}  # journal each sample as it finishes
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     wait_for_job(getter(job_id), lambda j: j["state"] == "running" and j["progress"]["done"] >= 2)
-    return store, worker, getter(job_id), job_id
+    running = [w for w in started if "eyas.run_job[" in w.tail(1 << 20)]
+    assert len(running) == 1, [w.tail() for w in started]
+    return store, running[0], [w for w in started if w is not running[0]], getter(job_id), job_id
 
 
 def _check_redelivered_job(service, store, job, job_id, tmp_path, log: str) -> None:
@@ -153,9 +157,8 @@ def test_killed_worker_task_runs_again_on_a_new_worker(service_settings, vllm_ur
                                                        tmp_path):
     """The whole worker dies (every process SIGKILLed, as when its machine goes): its unacknowledged delivery
     stops being renewed and the restore sweep of the next worker gives the task to it."""
-    store, worker, get, job_id = _start_and_catch_running(service_settings, vllm_url, api_process,
-                                                          worker_process, tmp_path)
-    second = worker_process("generate", service_settings)  # idle: the running task is not its to take
+    store, worker, (second,), get, job_id = _start_and_catch_running(
+        service_settings, vllm_url, api_process, worker_process, tmp_path, workers=2)
     worker.kill_group(signal.SIGKILL)
     killed = time.monotonic()
     worker.proc.wait()
@@ -172,8 +175,8 @@ def test_killed_pool_process_task_is_requeued_at_once(service_settings, vllm_url
                                                       tmp_path):
     """Only the process running the task dies (OOM killer, segfault): the worker requeues the task at once
     (task_reject_on_worker_lost) and a fresh pool process runs it."""
-    store, worker, get, job_id = _start_and_catch_running(service_settings, vllm_url, api_process,
-                                                          worker_process, tmp_path)
+    store, worker, _, get, job_id = _start_and_catch_running(service_settings, vllm_url, api_process,
+                                                             worker_process, tmp_path)
     pid = worker.proc.pid
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     assert len(children) == 1, children

@@ -29,8 +29,9 @@ from services.trainer.vocab import select_vocab, token_counts
 
 MODULES = ["json", "csv", "argparse", "collections", "itertools", "functools", "pathlib", "shutil", "tempfile",
            "subprocess", "threading", "queue", "heapq", "bisect", "statistics", "fractions", "decimal", "random",
-           "string", "textwrap", "difflib", "datetime", "calendar", "hashlib", "secrets", "base64", "struct",
-           "pickle", "copy", "pprint", "dataclasses", "contextlib", "inspect", "logging"]
+           "string", "textwrap", "difflib", "datetime", "calendar", "hashlib", "hmac", "secrets", "base64",
+           "struct", "codecs", "pickle", "copy", "pprint", "enum", "dataclasses", "contextlib", "abc", "typing",
+           "weakref", "inspect", "logging", "sqlite3", "zipfile", "tarfile", "socket", "asyncio", "email"]
 VAL_EVERY = 5
 SMALL = {"ttt_steps": 2, "draft_vocab_size": 256, "batch_tokens": 256, "lr": 1e-3, "warmup": 2,
          "val_every": VAL_EVERY}
@@ -43,7 +44,7 @@ def conversations() -> list[dict]:
         if len(doc) >= 80:
             recs.append({"id": name, "messages": [
                 {"role": "user", "content": f"What is the Python module {name} for?"},
-                {"role": "assistant", "content": doc[:320]}]})
+                {"role": "assistant", "content": doc[:400]}]})
     return recs
 
 

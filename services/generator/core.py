@@ -121,7 +121,7 @@ def _retryable(e: BaseException) -> bool:
 
 def _wait(state: RetryCallState) -> float:
     """Exponential backoff with jitter, but never sooner than the server's Retry-After."""
-    backoff = wait_exponential_jitter(initial=0.5, max=30.0)(state)
+    backoff = wait_exponential_jitter(multiplier=0.5, max=30.0, jitter=0.5)(state)
     exc = state.outcome.exception() if state.outcome else None
     return max(backoff, getattr(exc, "retry_after", None) or 0.0)
 

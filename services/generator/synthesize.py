@@ -72,7 +72,8 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
                 continue
             seen.add(text)
             kept.append(Prompt(id=f"synth:{seed}:{rnd}:{i}", user_turns=[text], source="synth",
-                               meta={"sampling": params.model_dump(exclude={"chat_template_kwargs"})}))
+                               meta={"finish_reason": c.finish_reason,
+                                     "sampling": params.model_dump(exclude={"chat_template_kwargs"})}))
             if len(kept) == n:
                 break
     counts["kept"] = len(kept)

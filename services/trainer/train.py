@@ -105,15 +105,13 @@ def drafter_config(target: str, draft_vocab_size: int) -> DrafterConfig:
     return DrafterConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)), draft_vocab_size)
 
 
-def build_drafter(target: str, draft_vocab_size: int, embed: torch.Tensor, lm_head: torch.Tensor,
-                  used: torch.Tensor) -> Drafter:
-    """A fresh drafter: the target's frozen embedding, the draft vocabulary, and its lm_head initialized to the
-    target's lm_head rows of the draft vocabulary (all other weights: PyTorch's default init, seeded)."""
+def build_drafter(target: str, draft_vocab_size: int, embed: torch.Tensor, used: torch.Tensor) -> Drafter:
+    """A fresh drafter: the target's frozen embedding, the draft vocabulary, PyTorch's default init elsewhere
+    (seeded by the caller), as EAGLE and SpecForge start."""
     drafter = Drafter(drafter_config(target, draft_vocab_size))
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed)
         drafter.set_vocab(used)
-        drafter.lm_head.weight.copy_(lm_head[used])
     return drafter
 
 
@@ -126,7 +124,7 @@ def prepare(spec, layout: Layout, reader: FeatureReader) -> Run:
     counts = token_counts(train, layout.vocab_size)
     used = select_vocab(counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
-    drafter = build_drafter(target, spec.draft_vocab_size, embed, head, used)
+    drafter = build_drafter(target, spec.draft_vocab_size, embed, used)
     stream = BatchStream([s.input_ids.numel() for s in train], spec.batch_tokens, spec.seed)
     total = spec.steps or max(1, round(spec.epochs * stream.batches_per_epoch()))
     return Run(layout=layout, train=train, val=val, drafter=drafter, target_lm_head=head,
