@@ -4,7 +4,7 @@
                 job fails naming the export, the engine, both layer lists and the kind of mismatch)
   2. accuracy   teacher-forced accuracy per TTT step (services.trainer.ttt.ttt_forward) on the validation split of
                 the drafter's own features (or on all samples of `features` when given)
-  3. acceptance greedy chain speculative decoding with the real target on held-out MT-bench prompts: τ and
+  3. acceptance greedy chain speculative decoding with the real target on (held-out MT-bench) prompts: τ and
                 per-position acceptance in vLLM's definitions, and equality with the target's plain greedy output
   4. live       with `endpoint` / `spec_endpoint`: the same prompts on vLLM without / with the drafter
 Writes reports/{id}/: report.json, report.html, PNGs, manifest (kind "report").
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from eyas.drafter import Drafter, load_drafter
 from eyas.features import FeatureReader, is_validation
@@ -29,8 +29,10 @@ from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
 from services.evaluator import report as reports
 from services.evaluator.live import live_ab
-from services.evaluator.specdec import evaluate, mt_bench_prompts
+from services.evaluator.specdec import eval_prompts, evaluate
 from services.evaluator.wiring import check_wiring
+from services.generator.core import resolve_prompt_file
+from services.generator.dataset import load_prompts
 from services.trainer.data import collate, eval_plan
 from services.trainer.ttt import ttt_forward
 
@@ -43,7 +45,9 @@ class Spec(StageSpec):
     drafter: str = Field(description="drafter artifact URI (s3://bucket/drafters/ID) or local directory")
     target: str = Field(BUNDLED, description="target model: HF directory or the bundled name")
     k: int = Field(3, ge=1, le=16, description="draft tokens per target forward (chain)")
-    num_prompts: int = Field(20, ge=1, le=80, description="MT-bench questions (first turns) to decode")
+    prompts: str = Field("bundled:mt_bench", description="prompts to decode (first user turns): a prompt file or "
+                                                       "bundled:NAME; MT-bench is held out from training")
+    num_prompts: int = Field(20, ge=1, le=10_000, description="the first N prompts")
     max_new_tokens: int = Field(128, ge=1, le=4096)
     features: str | None = Field(None, description="features URI for accuracy (all samples); default: the "
                                                    "drafter's own features, validation split")
@@ -52,6 +56,12 @@ class Spec(StageSpec):
     endpoint: str | None = Field(None, description="vLLM serving the target without the drafter (live A/B)")
     spec_endpoint: str | None = Field(None, description="vLLM serving the target with this drafter (live A/B)")
     concurrency: int = Field(1, ge=1, le=256, description="concurrent requests in the live A/B")
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_readable(cls, v: str) -> str:
+        load_prompts(resolve_prompt_file(v), limit=1)  # raises PromptFileError naming the file and record
+        return v
 
 
 @torch.no_grad()
@@ -106,7 +116,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 spec.batch_tokens)
         ctx.metrics.update(per_position_accuracy=accuracy)
 
-        prompts = mt_bench_prompts(target.tokenizer, spec.num_prompts)
+        prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts)
         decoded = evaluate(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
                            progress=lambda done, total: ctx.progress(done, total, "prompts"))
         if not decoded["matches_greedy"]:
@@ -132,7 +142,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         "drafter": drafter_uri,
         "features": {"uri": features_uri, "split": "all" if spec.features else "validation",
                      "samples": acc_samples, "ttt_steps": steps},
-        "prompts": "mt_bench (first turns, held out from training)",
+        "prompts": {"source": spec.prompts, "count": len(prompts), "turn": "first user turn"},
         "wiring": wiring,
         "in_process": {key: v for key, v in decoded.items() if key != "per_prompt"},
         "per_prompt": decoded["per_prompt"],

@@ -126,7 +126,8 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         ("per-position acceptance", report["per_position_acceptance"]),
         ("teacher-forced accuracy per TTT step", report["per_position_accuracy"]),
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
-        ("prompts", f"{ip.get('prompts')} × ≤{ip.get('max_new_tokens')} tokens ({report.get('prompts', '')})"),
+        ("prompts", f"{ip.get('prompts')} × ≤{ip.get('max_new_tokens')} tokens "
+                    f"({(report.get('prompts') or {}).get('source', '')})"),
         ("drafts / accepted", f"{ip.get('drafts')} / {ip.get('accepted')}"),
         ("output equals plain greedy", f"{ip.get('matches_greedy')} (mismatches: {ip.get('greedy_mismatches')})"),
         ("exports", ", ".join(f"{k}: {v}" for k, v in report["exports"].items())),

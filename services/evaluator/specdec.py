@@ -22,7 +22,8 @@ from eyas.drafter import Drafter, TTTCache
 from eyas.render import render_prompt
 from eyas.target import Target
 from services.extractor.capture import hooks
-from services.generator.dataset import bundled_prompt_file, load_prompts
+from services.generator.core import resolve_prompt_file
+from services.generator.dataset import load_prompts
 
 
 @dataclass
@@ -31,11 +32,12 @@ class PromptIds:
     ids: list[int]
 
 
-def mt_bench_prompts(tokenizer, limit: int | None = None) -> list[PromptIds]:
-    """MT-bench (held out from training): each question's first user turn, rendered with the chat template and the
-    assistant generation prompt."""
-    prompts = load_prompts(bundled_prompt_file("mt_bench"), limit=limit)
-    return [PromptIds(p.id, render_prompt(tokenizer, [{"role": "user", "content": p.user_turns[0]}]))
+def eval_prompts(tokenizer, source: str = "bundled:mt_bench", limit: int | None = None) -> list[PromptIds]:
+    """Each prompt's first user turn (after its system prompt, if any), rendered with the chat template and the
+    assistant generation prompt. The default, MT-bench, is held out from training by the generator."""
+    prompts = load_prompts(resolve_prompt_file(source), limit=limit)
+    return [PromptIds(p.id, render_prompt(tokenizer, ([{"role": "system", "content": p.system}] if p.system else [])
+                                          + [{"role": "user", "content": p.user_turns[0]}]))
             for p in prompts]
 
 

@@ -1,4 +1,4 @@
-"""Near-duplicate detection for prompts: normalized word 3-gram shingles, Jaccard similarity.
+"""Near-duplicate detection for prompts: normalized word-bigram shingles, Jaccard similarity.
 
 One function decides "the same prompt" everywhere: synthesis dedup, the held-out guard that keeps evaluation
 prompts out of training data, and the evaluator's refusal to score on trained prompts.
@@ -15,7 +15,7 @@ def normalize(text: str) -> str:
     return " ".join(_WORD.findall(text.lower()))
 
 
-def shingles(text: str, n: int = 3) -> frozenset[str]:
+def shingles(text: str, n: int = 2) -> frozenset[str]:
     words = normalize(text).split()
     if len(words) < n:
         return frozenset([" ".join(words)]) if words else frozenset()

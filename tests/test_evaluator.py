@@ -1,0 +1,146 @@
+"""Evaluator stage: the report contract, speculative decoding that reproduces plain greedy output, and refusal of a
+mis-wired drafter. A small real pipeline (generate → extract → train, embedded) makes the drafter; no vLLM here
+(tests/test_vllm_spec_decode.py serves the drafter in real vLLM)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.drafter import load_drafter
+from eyas.embedded import Embedded
+from eyas.layout import Layout
+from eyas.manifest import ArtifactWriter, Manifest, read_manifest
+from eyas.settings import Settings
+from eyas.store import open_artifact
+from eyas.target import BUNDLED, load_target
+from services.evaluator import report as reports
+from services.evaluator.specdec import eval_prompts, evaluate
+from services.trainer.core import CPU_PRESET
+
+
+def local_path(uri: str) -> Path:
+    from urllib.parse import unquote, urlparse
+
+    return Path(unquote(urlparse(uri).path))
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Embedded generate → extract → train of a small drafter on the bundled target; returns (Embedded, drafter URI)."""
+    emb = Embedded(Settings(workdir=tmp_path_factory.mktemp("eyas-eval")))
+    jobs = emb.run_job("generate", {
+        "prompts": "bundled:sharegpt", "limit": 8, "max_turns": 1,
+        "sampling": {"max_tokens": 48, "temperature": 0.0},
+        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 6, "val_every": 4, "val_interval": 0}],
+    })
+    assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
+    return emb, jobs[-1].artifacts["output"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(pipeline):
+    emb, drafter = pipeline
+    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 24})
+    assert job.state == "succeeded", job.error
+    return job, drafter
+
+
+def test_report_artifact_has_the_contract_fields_and_plots(evaluated):
+    job, drafter = evaluated
+    out = open_artifact(job.artifacts["output"])
+    manifest = read_manifest(out, kind="report")
+    assert {"report.json", "report.html", "acceptance.png", "loss.png", "accuracy.png"} <= set(manifest.files)
+    assert manifest.inputs[0] == drafter
+    report = json.loads(out.get_bytes("report.json"))
+    for field in reports.REQUIRED:
+        assert field in report, field
+    drafter_manifest = read_manifest(open_artifact(drafter), kind="drafter")
+    assert report["layout"] == drafter_manifest.layout and manifest.layout == drafter_manifest.layout
+    assert report["target"] == BUNDLED and report["k"] == 3
+    assert report["exports"] == {"eagle": f"{drafter}/eagle", "speculators": f"{drafter}/speculators"}
+    assert report["wiring"]["served"]["vllm:eagle"] == report["wiring"]["trained"] == ["out(1)", "out(14)", "out(26)"]
+
+    ip = report["in_process"]
+    assert ip["drafts"] > 0 and ip["matches_greedy"] is True
+    assert report["acceptance_length"] == pytest.approx(1 + ip["accepted"] / ip["drafts"])
+    assert report["per_position_acceptance"] == [a / ip["drafts"] for a in ip["accepted_per_pos"]]
+    # accepting position i+1 needs position i accepted
+    assert all(a >= b for a, b in zip(ip["accepted_per_pos"], ip["accepted_per_pos"][1:], strict=False))
+    assert job.metrics["acceptance_length"] == report["acceptance_length"]
+
+    # teacher-forced accuracy on the validation split, measured the same way the trainer validated
+    acc = report["per_position_accuracy"]
+    assert len(acc) == drafter_manifest.extra["ttt_steps"] and all(0.0 <= a <= 1.0 for a in acc)
+    assert report["features"]["split"] == "validation" and report["features"]["samples"] > 0
+    assert acc == pytest.approx(drafter_manifest.extra["metrics"]["val_acc"], abs=1e-6)
+
+    page = out.get_bytes("report.html").decode()
+    for png in ("acceptance.png", "loss.png", "accuracy.png"):
+        assert f"src='{png}'" in page
+        assert out.get_bytes(png)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speculative_output_equals_plain_greedy_and_counts_like_vllm(pipeline):
+    _, drafter = pipeline
+    target = load_target(BUNDLED)
+    d, _ = load_drafter(local_path(drafter) / "eagle", target.model.get_input_embeddings().weight.detach())
+    layout = Layout.from_dict(read_manifest(open_artifact(drafter)).layout)
+    prompts = eval_prompts(target.tokenizer, "bundled:sharegpt", 3)
+    for k in (1, 4):
+        r = evaluate(target, d, layout.aux_layers, prompts, k, 20)
+        assert r["matches_greedy"], r["greedy_mismatches"]
+        for p in r["per_prompt"]:
+            # one token from the prefill, then accepted + 1 per verify round, cut at a stop token or max_new_tokens
+            assert len(p["output"]) <= 1 + p["drafts"] + p["accepted"]
+            assert len(p["output"]) == 20 or p["output"][-1] == target.tokenizer.eos_token_id
+        assert len(r["accepted_per_pos"]) == k and r["target_forwards"] == len(prompts) + r["drafts"]
+
+
+def test_mis_wired_drafter_is_refused_before_any_report(pipeline, tmp_path):
+    """A copy of the drafter whose eagle config makes vLLM capture one layer deeper than training: refused."""
+    emb, drafter = pipeline
+    src = open_artifact(drafter)
+    manifest = read_manifest(src, kind="drafter")
+    dest = tmp_path / "miswired"
+    writer = ArtifactWriter(open_artifact(str(dest)))
+    for name in manifest.files:
+        data = src.get_bytes(name)
+        if name == "eagle/config.json":
+            cfg = json.loads(data)
+            cfg["eagle_aux_hidden_state_layer_ids"] = [3, 16, 28]
+            data = json.dumps(cfg).encode()
+        writer.put_bytes(name, data)
+    writer.commit(Manifest(**{**manifest.model_dump(), "files": {}}))
+
+    with pytest.raises(Exception, match=r"off-by-one \(one layer deeper\): vllm would concatenate "
+                                         r"\['out\(2\)', 'out\(15\)', 'out\(27\)'\] but the drafter was trained on "
+                                         r"\['out\(1\)', 'out\(14\)', 'out\(26\)'\]"):
+        emb.run_job("evaluate", {"drafter": str(dest), "num_prompts": 1, "max_new_tokens": 4})
+    [job] = [j for j in emb.jobs.list() if j.stage == "evaluate" and j.state == "failed"]
+    assert "WiringMismatch" in job.error
+    assert not open_artifact(emb.settings.store_root.as_posix()).exists(f"reports/{job.id}/manifest.json")
+    shutil.rmtree(dest)
+
+
+def test_report_files_from_a_measured_report(tmp_path):
+    """report.build: JSON with the required fields, plots, and HTML; a report missing a field is refused."""
+    report = {"target": BUNDLED, "layout": {"aux_layers": [1, 14, 26]}, "k": 3,
+              "per_position_accuracy": [0.5, 0.3, 0.2], "acceptance_length": 1.4,
+              "per_position_acceptance": [0.3, 0.08, 0.02], "exports": {"eagle": "x/eagle"},
+              "live": {"prompts": 2, "max_tokens": 8, "concurrency": 1,
+                       "speculative": {"tok_s": 10.0, "acceptance_length": 1.4,
+                                       "per_position_acceptance": [0.3, 0.08, 0.02], "drafts": 10, "accepted": 4}}}
+    history = {"train": [{"step": i, "loss": 5.0 - i, "acc": [0.1 * i, 0.05 * i, 0.0], "lr": 1e-3,
+                          "tokens_per_s": 100.0} for i in range(1, 4)],
+               "val": [{"step": 3, "loss": 2.5, "acc": [0.3, 0.15, 0.1]}]}
+    files = reports.build(report, history)
+    assert set(files) == {"report.json", "report.html", "acceptance.png", "loss.png", "accuracy.png"}
+    assert json.loads(files["report.json"]) == report
+    assert "vLLM τ (/metrics)" in files["report.html"].decode()
+    assert reports.expected_acceptance_length([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    with pytest.raises(ValueError, match="per_position_acceptance"):
+        reports.build({k: v for k, v in report.items() if k != "per_position_acceptance"}, history)

@@ -1,0 +1,79 @@
+"""Prompt synthesis (Magpie-style, from the bundled target), dedup, the held-out guard and weighted mixes."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from eyas.target import BUNDLED, load_tokenizer
+from services.generator.core import Spec, gather_prompts
+from services.generator.dataset import bundled_prompt_file, load_prompts
+from services.generator.dedup import NearDupIndex
+from services.generator.engine import InProcessEngine
+from services.generator.synthesize import pre_query_text, synthesize_prompts
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return InProcessEngine(BUNDLED, max_batch=8)
+
+
+def test_pre_query_is_the_template_up_to_the_user_words():
+    text = pre_query_text(load_tokenizer(BUNDLED))
+    assert text.endswith("<|im_start|>user\n")
+    assert "<|im_start|>system" in text  # SmolLM2's template adds its default system prompt
+
+
+def test_synthesis_is_reproducible_distinct_and_ends_at_end_of_turn(engine):
+    tok = engine.tok
+    a, counts = asyncio.run(synthesize_prompts(engine, tok, 3, seed=7))
+    b, _ = asyncio.run(synthesize_prompts(engine, tok, 3, seed=7))
+    texts = [p.user_turns[0] for p in a]
+    assert texts == [p.user_turns[0] for p in b]  # same seed → same prompts
+    assert len(a) == 3 and all(t.strip() for t in texts)
+    assert len({t.lower() for t in texts}) == 3
+    assert all(p.meta["finish_reason"] == "stop" for p in a)  # the model closed the user turn itself
+    assert counts["kept"] == 3 and counts["sampled"] >= 3
+    c, _ = asyncio.run(synthesize_prompts(engine, tok, 3, seed=8))
+    assert [p.user_turns[0] for p in c] != texts
+
+
+def test_near_duplicates_are_found():
+    idx = NearDupIndex(["How do I bake sourdough bread at home with a simple starter?"])
+    assert idx.find("how do i bake sourdough bread at home, with a simple starter") is not None  # exact after normalizing
+    assert idx.find("How do I bake sourdough bread at home with a very simple starter?") is not None  # near
+    assert idx.find("What is the tallest mountain in Europe?") is None
+
+
+def test_held_out_guard_drops_evaluation_prompts(tmp_path, engine):
+    mt = load_prompts(bundled_prompt_file("mt_bench"))
+    f = tmp_path / "train.jsonl"
+    rows = [{"id": "copy", "messages": [{"role": "user", "content": mt[0].user_turns[0]}]},
+            {"id": "near", "messages": [{"role": "user", "content": mt[1].user_turns[0] + " Thanks!"}]},
+            {"id": "fine", "messages": [{"role": "user", "content": "Tell me about lighthouses."}]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, counts = asyncio.run(gather_prompts(Spec(prompts=str(f)), engine, engine.tok))
+    assert [p.id for p in prompts] == ["train:fine"]
+    assert counts["held_out_dropped"] == 2
+
+
+def test_mix_keeps_weights_and_sources(tmp_path, engine):
+    files = []
+    for name in ("a", "b"):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"{name} question {i}"}]})
+                             + "\n" for i in range(20)))
+        files.append(str(f))
+    spec = Spec(mix=[{"prompts": files[0], "weight": 3}, {"prompts": files[1], "weight": 1}], limit=12)
+    prompts, counts = asyncio.run(gather_prompts(spec, engine, engine.tok))
+    by_source = [p.source for p in prompts]
+    assert by_source.count("a") == 9 and by_source.count("b") == 3
+    assert counts[f"source:{files[0]}"] == 9
+
+
+def test_spec_needs_a_source():
+    with pytest.raises(ValueError, match="give prompts"):
+        Spec()
+    with pytest.raises(ValueError, match="needs limit"):
+        Spec(mix=[{"prompts": "synth"}])
