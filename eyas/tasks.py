@@ -21,7 +21,7 @@ from eyas.jobs import IllegalTransition, JobNotFound
 from eyas.pipeline import execute
 from eyas.runtime import Runtime, service_runtime
 from eyas.settings import get_settings
-from eyas.stages import STAGE_ORDER
+from eyas.stages import STAGE_ORDER, get_stage
 
 log = logging.getLogger(__name__)
 app = make_celery(get_settings())
@@ -83,6 +83,7 @@ def run_worker(stage: str, concurrency: int = 1) -> None:
     """Consume `stage`'s queue with `concurrency` pool processes until stopped (SIGTERM: finish, then exit)."""
     if stage not in STAGE_ORDER:
         raise ValueError(f"stage={stage!r}: stages are {list(STAGE_ORDER)}")
+    get_stage(stage)  # import the stage (torch, transformers) once, before the pool processes fork
     app.worker_main(argv=[
         "worker", f"--queues={stage}", f"--concurrency={concurrency}", "--pool=prefork",
         f"--hostname={stage}-{os.getpid()}@%h", "--loglevel=INFO",
