@@ -215,8 +215,11 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.requires_grad_(False)  # always the target's, frozen (SGLang substitutes it anyway)
+        # Always the target's input embedding, copied in by the trainer and by load_drafter, and frozen (SGLang
+        # substitutes it anyway): allocated as zeros, since a random init would cost V·H draws for nothing.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

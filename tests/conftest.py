@@ -100,8 +100,8 @@ class Proc:
             self.proc.wait()
 
 
-def _spawn(args: list[str], env: dict[str, str], name: str) -> Proc:
-    log = Path(tempfile.mkstemp(prefix=f"eyas-{name}-", suffix=".log")[1])
+def _spawn(args: list[str], env: dict[str, str], name: str, logdir: Path) -> Proc:
+    log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=logdir)[1])
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,13 +109,14 @@ def _spawn(args: list[str], env: dict[str, str], name: str) -> Proc:
 
 
 @pytest.fixture
-def api_process() -> Iterator[Callable[..., Proc]]:
+def api_process(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     """start(stage, service_env) → a running `eyas api --stage S` on a free loopback port (Proc.url)."""
     started: list[Proc] = []
 
     def start(stage: str, service: ServiceEnv) -> Proc:
         port = free_port()
-        p = _spawn(["api", "--stage", stage, "--host", "127.0.0.1", "--port", str(port)], service.env, f"api-{stage}")
+        p = _spawn(["api", "--stage", stage, "--host", "127.0.0.1", "--port", str(port)], service.env, f"api-{stage}",
+                   tmp_path)
         started.append(p)
         p.url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(f"{p.url}/healthz", timeout=2).status_code == 200, 90, f"{stage} API", p.proc, p.log)
@@ -127,12 +128,13 @@ def api_process() -> Iterator[Callable[..., Proc]]:
 
 
 @pytest.fixture
-def worker_process() -> Iterator[Callable[..., Proc]]:
+def worker_process(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     """start(stage, service_env) → a running `eyas worker --stage S`, consuming once its log says ready."""
     started: list[Proc] = []
 
     def start(stage: str, service: ServiceEnv, concurrency: int = 1) -> Proc:
-        p = _spawn(["worker", "--stage", stage, "--concurrency", str(concurrency)], service.env, f"worker-{stage}")
+        p = _spawn(["worker", "--stage", stage, "--concurrency", str(concurrency)], service.env,
+                   f"worker-{stage}", tmp_path)
         started.append(p)
         _wait(lambda: " ready." in p.tail(100_000), 90, f"{stage} worker", p.proc, p.log)
         return p

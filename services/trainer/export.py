@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eyas.drafter import Drafter
+from eyas.drafter import DrafterConfig
 from eyas.layout import Layout, check_serving
 
 EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"
@@ -28,12 +28,16 @@ _EAGLE_ONLY = ("architectures", "draft_vocab_size", "norm_before_residual", "tar
                "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype")
 
 
-def export_tensors(drafter: Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """EAGLE-layout tensors: float weights in `dtype`, d2t int64, t2d bool, and no embedding (spec §2.1)."""
+def export_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """EAGLE-layout tensors from a drafter state dict: float weights in `dtype`, d2t int64, t2d bool, and no
+    embedding (spec §2.1)."""
     out = {}
-    for name, t in drafter.trainable_state_dict().items():
+    for name, t in weights.items():
+        if name.startswith("embed_tokens."):
+            continue
         t = t.detach().cpu()
-        out[name] = (t if name in ("d2t", "t2d") else t.to(dtype)).contiguous()
+        out[name] = (t.to(torch.int64) if name == "d2t" else t.to(torch.bool) if name == "t2d" else t.to(dtype))
+        out[name] = out[name].contiguous()
     return out
 
 
@@ -71,13 +75,17 @@ def check_export(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dict[str, 
     check_serving(layout, spec_cfg, "vllm")  # vLLM copies the top-level ids of a speculators config
 
 
-def export_drafter(drafter: Drafter, layout: Layout, out: Path, dtype: str, verifier: dict[str, Any],
-                   speculative_tokens: int) -> list[Path]:
-    """Write eagle/ and speculators/ under `out`; returns the files written (relative names under `out`)."""
-    eagle_cfg = drafter.cfg.eagle_config(layout, dtype)
+def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout: Layout, out: Path, dtype: str,
+                   verifier: dict[str, Any], speculative_tokens: int) -> list[Path]:
+    """Write eagle/ and speculators/ for a drafter (its config and state dict) under `out`; returns the files
+    written, relative to `out`. Refuses (LayoutMismatch, nothing written) a layout an engine would not serve."""
+    eagle_cfg = cfg.eagle_config(layout, dtype)
     spec_cfg = speculators_config(eagle_cfg, layout, verifier, speculative_tokens)
     check_export(layout, eagle_cfg, spec_cfg)
-    tensors = export_tensors(drafter, getattr(torch, dtype))
+    tensors = export_tensors(weights, getattr(torch, dtype))
+    missing = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} - tensors.keys()
+    if missing:
+        raise ValueError(f"drafter weights lack {sorted(missing)}")
     renamed = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v
                for k, v in tensors.items()}
     written = []
