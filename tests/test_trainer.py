@@ -296,22 +296,22 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
 def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
     drafter = Drafter(drafter_config(BUNDLED, 64))
     drafter.set_vocab(torch.arange(64))
-    cfg, weights = drafter.cfg, drafter.state_dict()
+    dcfg, weights = drafter.cfg, drafter.state_dict()
     base = dict(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
                 vocab_size=49152)
     verifier = {"name_or_path": "x", "architectures": []}
     # Non-default layers not starting at out(1): SGLang versions disagree on the offset → refused.
     with pytest.raises(LayoutMismatch, match="SGLang"):
-        export_drafter(cfg, weights, Layout(aux_layers=(2, 14, 25), **base), tmp_path, "float32", verifier, 3)
+        export_drafter(dcfg, weights, Layout(aux_layers=(2, 14, 25), **base), tmp_path, "float32", verifier, 3)
     assert not list(tmp_path.iterdir())  # nothing written
     # Non-default layers starting at out(1): per-engine ids are written, and both engines capture them.
     layout = Layout(aux_layers=(1, 14, 25), **base)
-    export_drafter(cfg, weights, layout, tmp_path, "float32", verifier, 3)
+    export_drafter(dcfg, weights, layout, tmp_path, "float32", verifier, 3)
     cfg = json.loads((tmp_path / "eagle/config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 26]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 25]
     # A config written for the default layers does not serve features of other layers (and vice versa).
-    default_cfg = cfg.eagle_config(Layout(aux_layers=(1, 14, 26), **base), "float32")
+    default_cfg = dcfg.eagle_config(Layout(aux_layers=(1, 14, 26), **base), "float32")
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
         check_export(layout, default_cfg, speculators_config(cfg, layout, verifier, 3))
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
