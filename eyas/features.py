@@ -111,7 +111,3 @@ class FeatureReader:
     def samples(self) -> Iterator[Sample]:
         for name in self.shards:
             yield from _split(self.load_shard(name))
-
-    @property
-    def num_samples(self) -> int:
-        return self.manifest.counts.get("samples", 0)

@@ -22,10 +22,6 @@ class Rendered:
     loss_mask: list[int]
     text: str
 
-    @property
-    def num_supervised(self) -> int:
-        return sum(self.loss_mask)
-
 
 def _template_message(message: Message, template: str) -> Message:
     """Messages as the template wants them. Templates that know `reasoning_content` (Qwen3 and kin) render it

@@ -185,13 +185,6 @@ class Artifact:
         return self.store.uri(self.prefix)
 
 
-def default_store(settings: Settings | None = None) -> ObjectStore:
-    settings = settings or get_settings()
-    if settings.mode == "service":
-        return S3Store(settings)
-    return LocalStore(settings.store_root)
-
-
 def open_artifact(uri: str, settings: Settings | None = None) -> Artifact:
     """Resolve an artifact URI (s3://bucket/prefix, file://dir or a plain directory path)."""
     if uri.startswith("s3://"):

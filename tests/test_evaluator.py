@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
-import torch
 
 from eyas.drafter import load_drafter
 from eyas.embedded import Embedded
@@ -22,28 +22,46 @@ from services.evaluator.specdec import eval_prompts, evaluate
 from services.trainer.core import CPU_PRESET
 
 
-def local_path(uri: str) -> Path:
-    from urllib.parse import unquote, urlparse
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a binary search is.",
+    "Give me three tips for learning a new language.",
+    "What is the capital of France and why is it famous?",
+    "Describe how photosynthesis works.",
+    "List the planets of the solar system in order.",
+]
 
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    """A messages-JSONL prompt file (short prompts: in-process generation on a shared CPU stays quick)."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+def local_path(uri: str) -> Path:
     return Path(unquote(urlparse(uri).path))
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """Embedded generate → extract → train of a small drafter on the bundled target; returns (Embedded, drafter URI)."""
-    emb = Embedded(Settings(workdir=tmp_path_factory.mktemp("eyas-eval")))
+    """Embedded generate → extract → train of a small drafter on the bundled target; returns (Embedded, drafter URI,
+    prompt file)."""
+    work = tmp_path_factory.mktemp("eyas-eval")
+    prompts = write_prompts(work / "prompts.jsonl", PROMPTS[:4])
+    emb = Embedded(Settings(workdir=work / "eyas"))
     jobs = emb.run_job("generate", {
-        "prompts": "bundled:sharegpt", "limit": 8, "max_turns": 1,
-        "sampling": {"max_tokens": 48, "temperature": 0.0},
-        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 6, "val_every": 4, "val_interval": 0}],
+        "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": 32, "temperature": 0.0},
+        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 4, "warmup": 1, "val_every": 4,
+                             "val_interval": 0}],
     })
     assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
-    return emb, jobs[-1].artifacts["output"]
+    return emb, jobs[-1].artifacts["output"], prompts
 
 
 @pytest.fixture(scope="module")
 def evaluated(pipeline):
-    emb, drafter = pipeline
+    emb, drafter, _ = pipeline
     [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 24})
     assert job.state == "succeeded", job.error
     return job, drafter
@@ -85,11 +103,11 @@ def test_report_artifact_has_the_contract_fields_and_plots(evaluated):
 
 
 def test_speculative_output_equals_plain_greedy_and_counts_like_vllm(pipeline):
-    _, drafter = pipeline
+    _, drafter, prompt_file = pipeline
     target = load_target(BUNDLED)
     d, _ = load_drafter(local_path(drafter) / "eagle", target.model.get_input_embeddings().weight.detach())
     layout = Layout.from_dict(read_manifest(open_artifact(drafter)).layout)
-    prompts = eval_prompts(target.tokenizer, "bundled:sharegpt", 3)
+    prompts = eval_prompts(target.tokenizer, str(prompt_file))
     for k in (1, 4):
         r = evaluate(target, d, layout.aux_layers, prompts, k, 20)
         assert r["matches_greedy"], r["greedy_mismatches"]
@@ -102,7 +120,7 @@ def test_speculative_output_equals_plain_greedy_and_counts_like_vllm(pipeline):
 
 def test_mis_wired_drafter_is_refused_before_any_report(pipeline, tmp_path):
     """A copy of the drafter whose eagle config makes vLLM capture one layer deeper than training: refused."""
-    emb, drafter = pipeline
+    emb, drafter, _ = pipeline
     src = open_artifact(drafter)
     manifest = read_manifest(src, kind="drafter")
     dest = tmp_path / "miswired"

@@ -197,3 +197,30 @@ def test_workers_share_one_global_maximum(tmp_path, vllm_url, redis_url):
             assert p.wait(timeout=600) == 0, (tmp_path / f"w{i}.log").read_text()[-2000:]
     assert proxy.counts["forwarded"] == 54
     assert 2 <= proxy.max_in_flight <= 3, proxy.max_in_flight  # three workers, one shared maximum of 3
+
+
+def test_a_dead_workers_leases_expire_and_held_ones_are_renewed(redis_url):
+    import asyncio
+
+    from services.generator.throttle import GlobalLeases
+
+    async def main():
+        dead = GlobalLeases(redis_url, "http://lease-test", maximum=1, lease_s=1.0)
+        await dead.acquire()  # never released: its worker was killed
+        live = GlobalLeases(redis_url, "http://lease-test", maximum=1, lease_s=1.0)
+        t0 = time.monotonic()
+        token = await asyncio.wait_for(live.acquire(), timeout=5)
+        waited = time.monotonic() - t0
+        renewal = asyncio.create_task(live.renew(token))  # held past its lease: renewal keeps it
+        await asyncio.sleep(2.0)
+        other = GlobalLeases(redis_url, "http://lease-test", maximum=1, lease_s=1.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(other.acquire(), timeout=0.5)
+        renewal.cancel()
+        await live.release(token)
+        await asyncio.wait_for(other.acquire(), timeout=2)
+        for g in (dead, live, other):
+            await g.aclose()
+        return waited
+
+    assert 0.5 < asyncio.run(main()) < 3.0

@@ -13,8 +13,6 @@ reports the exact numbers.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 
@@ -24,6 +22,7 @@ from eyas.store import open_artifact
 from eyas.target import bundled_target_dir
 from services.trainer.core import CPU_PRESET
 from tests.servers import vllm_server
+from tests.test_evaluator import PROMPTS, local_path, write_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -31,26 +30,16 @@ K = 3
 MAX_TOKENS = 48
 TAU_TOLERANCE = 0.05  # relative
 POS_TOLERANCE = 0.05  # absolute, per position
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain what a binary search is.",
-    "Give me three tips for learning a new language.",
-    "What is the capital of France and why is it famous?",
-    "Describe how photosynthesis works.",
-    "List the planets of the solar system in order.",
-]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     work = tmp_path_factory.mktemp("eyas-vllm-spec")
-    prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
     emb = Embedded(Settings(workdir=work / "eyas"))
     jobs = emb.run_job("generate", {
-        "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": 64, "temperature": 0.0},
-        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 80, "val_interval": 0}],
+        "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
+        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 40, "warmup": 5, "val_interval": 0}],
     })
     assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
     return emb, jobs[-1].artifacts["output"], prompts
@@ -58,7 +47,7 @@ def trained(tmp_path_factory):
 
 def test_exported_drafter_serves_in_vllm_and_acceptance_agrees(trained):
     emb, drafter, prompts = trained
-    eagle = Path(unquote(urlparse(drafter).path)) / "eagle"
+    eagle = local_path(drafter) / "eagle"
     spec_config = {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": K}
     with vllm_server(bundled_target_dir(), speculative_config=spec_config) as url:
         [job] = emb.run_job("evaluate", {"drafter": drafter, "prompts": str(prompts), "num_prompts": len(PROMPTS),

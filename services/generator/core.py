@@ -34,7 +34,6 @@ from services.generator.engine import (
     HttpEngine,
     InProcessEngine,
     SamplingParams,
-    request_timeout,
 )
 from services.generator.throttle import AimdState, GlobalLeases, Throttle
 
@@ -315,8 +314,7 @@ def _make_throttle(spec: Spec, settings) -> Throttle:
         return Throttle(AimdState(limit=spec.concurrency, maximum=spec.concurrency))
     leases = None
     if settings.mode == "service":  # every worker shares one maximum per endpoint
-        leases = GlobalLeases(settings.redis_url, spec.endpoint, spec.concurrency,
-                              lease_s=request_timeout(spec.sampling.max_tokens) + 30)
+        leases = GlobalLeases(settings.redis_url, spec.endpoint, spec.concurrency)
     start = spec.initial_concurrency or min(4, spec.concurrency)
     return Throttle(AimdState(limit=start, maximum=spec.concurrency), leases)
 

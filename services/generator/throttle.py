@@ -49,9 +49,10 @@ return 0
 
 
 class GlobalLeases:
-    """A counting semaphore in Redis shared by every worker talking to one endpoint."""
+    """A counting semaphore in Redis shared by every worker talking to one endpoint. Leases are short and renewed
+    while their request runs, so a killed worker's slots come back within `lease_s`."""
 
-    def __init__(self, redis_url: str, endpoint: str, maximum: int, lease_s: float):
+    def __init__(self, redis_url: str, endpoint: str, maximum: int, lease_s: float = 15.0):
         import redis.asyncio as aioredis
 
         self.r = aioredis.Redis.from_url(redis_url)
@@ -68,6 +69,12 @@ class GlobalLeases:
                 return token
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    async def renew(self, token: str) -> None:
+        """Keep a held lease alive (XX: never resurrect one that was already released or expired)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self.r.zadd(self.key, {token: time.time() + self.lease_s}, xx=True)
 
     async def release(self, token: str) -> None:
         await self.r.zrem(self.key, token)
@@ -90,12 +97,15 @@ class Throttle:
         async with self._cond:
             await self._cond.wait_for(lambda: self.in_flight < int(self.aimd.limit))
             self.in_flight += 1
-        token = None
+        token, renewal = None, None
         try:
             if self.leases is not None:
                 token = await self.leases.acquire()
+                renewal = asyncio.create_task(self.leases.renew(token))
             yield
         finally:
+            if renewal is not None:
+                renewal.cancel()
             if token is not None:
                 await self.leases.release(token)
             async with self._cond:
