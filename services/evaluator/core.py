@@ -28,6 +28,7 @@ from eyas.stages import StageContext, StageResult, StageSpec
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
 from services.evaluator import report as reports
+from services.evaluator.heldout import check_held_out
 from services.evaluator.live import live_ab
 from services.evaluator.specdec import eval_prompts, evaluate
 from services.evaluator.wiring import check_wiring
@@ -116,6 +117,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 spec.batch_tokens)
         ctx.metrics.update(per_position_accuracy=accuracy)
 
+        checked = check_held_out(spec.prompts, spec.num_prompts, features_uri)
+        ctx.metrics.update(held_out_prompts_checked=checked)
         prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts)
         decoded = evaluate(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
                            progress=lambda done, total: ctx.progress(done, total, "prompts"))
