@@ -82,7 +82,7 @@ class Ctx(StageContext):
 
     crash_at: int | None = None
 
-    def progress(self, done: int, total: int, unit: str = "", force: bool = False) -> None:
+    def progress(self, done: int, *_) -> None:
         if done == self.crash_at:
             raise Crash(f"worker died at step {done}")
 

@@ -106,7 +106,10 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         drafter, _ = load_drafter(local / "eagle", target.model.get_input_embeddings().weight.detach())
         history = json.loads((local / "history.json").read_text()) if (local / "history.json").is_file() else None
 
-        features_uri = spec.features or (manifest.inputs[0] if manifest.inputs else None)
+        trained_on = manifest.inputs[0] if manifest.inputs else None  # the drafter's training features
+        checked = check_held_out(spec.prompts, spec.num_prompts, trained_on)
+        ctx.metrics.update(held_out_prompts_checked=checked)
+        features_uri = spec.features or trained_on
         steps = max(spec.k, int(manifest.extra.get("ttt_steps", spec.k)))
         accuracy, acc_samples = [], 0
         if features_uri:
@@ -117,8 +120,6 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 spec.batch_tokens)
         ctx.metrics.update(per_position_accuracy=accuracy)
 
-        checked = check_held_out(spec.prompts, spec.num_prompts, features_uri)
-        ctx.metrics.update(held_out_prompts_checked=checked)
         prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts)
         decoded = evaluate(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
                            progress=lambda done, total: ctx.progress(done, total, "prompts"))

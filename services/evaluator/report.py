@@ -74,22 +74,29 @@ def plot_loss(history: dict[str, Any]) -> bytes:
 
 
 def plot_accuracy(history: dict[str, Any], final: list[float]) -> bytes:
-    """Accuracy per TTT step over training (validation records, else training records), and the final values."""
+    """Accuracy per TTT step over training (training records as lines, validation as markers), and the
+    evaluator's final values on the validation split."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    rows = history.get("val") or history.get("train") or []
-    steps = max((len(r["acc"]) for r in rows), default=0)
+    train, val = history.get("train") or [], history.get("val") or []
+    steps = max((len(r["acc"]) for r in train + val), default=0)
     for k in range(steps):
-        pts = [(r["step"], r["acc"][k]) for r in rows if len(r["acc"]) > k]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if len(pts) < 30 else "-", ms=3,
-                label=f"TTT step {k}")
+        color = f"C{k}"
+        pts = [(r["step"], r["acc"][k]) for r in train if len(r["acc"]) > k]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, lw=1, alpha=0.6,
+                    label=f"train, TTT step {k}")
+        pts = [(r["step"], r["acc"][k]) for r in val if len(r["acc"]) > k]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--", color=color, ms=4,
+                    label=f"validation, TTT step {k}")
     if final:
-        last = rows[-1]["step"] if rows else 0
-        ax.scatter([last] * len(final), final, marker="x", color="black", zorder=3, label="evaluator (final)")
+        last = max((r["step"] for r in train + val), default=0)
+        ax.scatter([last] * len(final), final, marker="x", color="black", zorder=3, label="evaluator (validation)")
     ax.set_ylim(0, 1)
     ax.set_xlabel("step")
     ax.set_ylabel("accuracy")
-    ax.set_title("teacher-forced accuracy per TTT step" + (" (validation)" if history.get("val") else ""))
-    ax.legend(fontsize=8)
+    ax.set_title("teacher-forced accuracy per TTT step")
+    ax.legend(fontsize=7)
     return _png(fig)
 
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from eyas.features import FeatureReader
 from eyas.layout import Layout, check_layout
@@ -59,16 +59,9 @@ class Spec(StageSpec):
     checkpoint_every: int = Field(200, ge=1, description="checkpoint every N steps (and at the end)")
     seed: int = Field(0, ge=0)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bf16: autocast)")
-    resume: str = Field("auto", description="'auto' (continue this job's own checkpoint if any), 'never', or "
-                                            "the URI of an unfinished trainer job's artifact to continue")
+    resume: str = Field("auto", min_length=1, description="'auto' (continue this job's own checkpoint if any), "
+                        "'never', or the URI of an unfinished trainer job's artifact to continue")
     processes: int = Field(1, ge=1, le=64, description=">1: DDP under torchrun with this many processes")
-
-    @field_validator("resume")
-    @classmethod
-    def _resume(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("resume must be 'auto', 'never' or an artifact URI")
-        return v
 
 
 def open_features(spec: Spec) -> tuple[FeatureReader, Layout]:

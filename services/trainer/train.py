@@ -139,10 +139,11 @@ class TopCache:
         self.tops: dict[int, torch.Tensor] = {}
 
     def batch(self, indices: list[int], device):
+        on = self.lm_head.device
         for i in indices:
             if i not in self.tops:
                 s = self.samples[i]
-                self.tops[i] = target_top(s.final_hidden, self.lm_head, label_rows(s.loss_mask))
+                self.tops[i] = target_top(s.final_hidden.to(on), self.lm_head, label_rows(s.loss_mask).to(on)).cpu()
         return collate([self.samples[i] for i in indices], [self.tops[i] for i in indices]).to(device)
 
 

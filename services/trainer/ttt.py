@@ -90,7 +90,7 @@ def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, st
     vd = drafter.cfg.draft_vocab_size
     used = torch.arange(vd, device=device) + drafter.d2t  # draft id → target id
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):  # labels in fp32 even under bf16 autocast
         y = batch.final_hidden.to(device, torch.float32)
         top = batch.target_top
         if top is None:
