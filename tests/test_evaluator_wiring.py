@@ -27,7 +27,7 @@ def export(target, dest: Path) -> Path:
     """A small drafter for the bundled target (default layout), exported by the trainer: eagle/ + speculators/."""
     drafter = Drafter(drafter_config(BUNDLED, 64))
     drafter.set_vocab(torch.arange(64))
-    export_drafter(drafter, layout_for(target, None), dest, "float32",
+    export_drafter(drafter.cfg, drafter.trainable_state_dict(), layout_for(target, None), dest, "float32",
                    {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}, 3)
     return dest
 
