@@ -5,7 +5,8 @@ The reference step, as the eager EAGLE-3 trainers write it: full-vocabulary targ
 batch, labels and masks shifted by padding copies after each TTT step, the drafter's lm_head over every position
 (prompt and padding too), loss averaged over B·T. Eyas computes the target's full-vocabulary top-1 once per sample
 (chunked, cached across epochs), the draft-vocabulary label once per batch, slices views instead of copying, and
-runs the lm_head only on supervised positions. Both give the same gradients direction (the loss scale differs).
+runs the lm_head only on supervised positions. Both compute the same loss up to a per-batch scale (B·T vs the
+number of supervised positions).
 
 SpecForge and speculators themselves do not run here: SpecForge needs CUDA (sglang, flash-attention/flex kernels,
 `torch.cuda` calls throughout its training loop), and speculators gets its training data from vLLM's

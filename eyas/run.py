@@ -15,9 +15,10 @@ from eyas.target import BUNDLED
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, default=Path("eyas-work"), help="everything goes under DIR (default: %(default)s)")
     p.add_argument("--target", default=BUNDLED, help="target model: HF directory or %(default)s")
-    p.add_argument("--prompts", default="bundled:sharegpt", help="training prompt file (default: %(default)s)")
+    p.add_argument("--prompts", default=None,
+                   help="training prompt file (default: prompts synthesized from the target itself)")
     p.add_argument("--endpoint", default=None, help="OpenAI-compatible endpoint for generation (default: in-process)")
-    p.add_argument("--num-prompts", type=int, default=96, help="training prompts to regenerate (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=96, help="training prompts (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per answer (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts to evaluate on")
@@ -28,16 +29,18 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from eyas.embedded import Embedded
     from eyas.settings import Settings
 
+    from services.trainer.core import CPU_PRESET
+
     settings = Settings(workdir=args.workdir)
-    train: dict = {"stage": "train", "target": args.target}
+    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET}
     if args.train_steps:
         train["steps"] = args.train_steps
     evaluate: dict = {"stage": "evaluate", "target": args.target}
     if args.eval_prompts:
         evaluate["num_prompts"] = args.eval_prompts
     spec = {
-        "prompts": args.prompts, "endpoint": args.endpoint, "target": args.target, "limit": args.num_prompts,
-        "max_turns": 1, "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
+        **({"prompts": args.prompts, "limit": args.num_prompts} if args.prompts else {"synthesize": args.num_prompts}),
+        "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
         "then": [{"stage": "extract", "target": args.target}, train, evaluate],
     }
     t0 = time.monotonic()

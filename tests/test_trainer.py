@@ -33,8 +33,7 @@ MODULES = ["json", "csv", "argparse", "collections", "itertools", "functools", "
            "struct", "codecs", "pickle", "copy", "pprint", "enum", "dataclasses", "contextlib", "abc", "typing",
            "weakref", "inspect", "logging", "sqlite3", "zipfile", "tarfile", "socket", "asyncio", "email"]
 VAL_EVERY = 5
-SMALL = {"ttt_steps": 2, "draft_vocab_size": 256, "batch_tokens": 256, "lr": 1e-3, "warmup": 2,
-         "val_every": VAL_EVERY}
+SMALL = {"ttt_steps": 2, "draft_vocab_size": 256, "batch_tokens": 256, "lr": 1e-3, "warmup": 2, "val_every": 10}
 
 
 def conversations() -> list[dict]:
@@ -66,8 +65,8 @@ def features(emb) -> str:
 
 @pytest.fixture(scope="module")
 def trained(emb, features):
-    spec = {"features": features, "ttt_steps": 2, "draft_vocab_size": 512, "batch_tokens": 512, "steps": 30,
-            "lr": 2e-3, "warmup": 5, "val_interval": 15, "val_every": VAL_EVERY, "checkpoint_every": 10}
+    spec = {"features": features, "ttt_steps": 2, "draft_vocab_size": 512, "batch_tokens": 256, "steps": 40,
+            "lr": 3e-3, "warmup": 5, "val_interval": 20, "val_every": VAL_EVERY, "checkpoint_every": 10}
     job = emb.run_job("train", spec)[-1]
     assert job.state == "succeeded", job.error
     return job
@@ -206,8 +205,8 @@ def test_short_run_learns(trained, features):
     art = open_artifact(trained.artifacts["output"])
     manifest = read_manifest(art, kind="drafter")
     h = json.loads(art.get_bytes("history.json"))
-    assert [e["step"] for e in h["val"]] == [0, 15, 30]
-    assert [e["step"] for e in h["train"]] == list(range(1, 31))
+    assert [e["step"] for e in h["val"]] == [0, 20, 40]
+    assert [e["step"] for e in h["train"]] == list(range(1, 41))
     assert set(h["train"][0]) == {"step", "loss", "acc", "lr", "tokens_per_s"} and len(h["train"][0]["acc"]) == 2
     first, last = h["val"][0], h["val"][-1]
     assert last["loss"] < 0.75 * first["loss"]
@@ -224,7 +223,7 @@ def test_short_run_learns(trained, features):
     assert set(manifest.files) == {"eagle/config.json", "eagle/model.safetensors", "speculators/config.json",
                                    "speculators/model.safetensors", "history.json"}
     assert not [n for n in art.names() if n.startswith("checkpoints/")]
-    assert trained.metrics["val_acc"] == last["acc"] and trained.progress.done == 30
+    assert trained.metrics["val_acc"] == last["acc"] and trained.progress.done == 40
 
 
 EAGLE_SHAPES = {  # SmolLM2-135M target: H = 576, 9 heads, 3 kv heads, head_dim 64, I = 1536, V = 49152
@@ -331,15 +330,15 @@ def test_features_of_another_target_are_refused(emb, features, tmp_path):
 
 
 def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
-    spec = core.Spec(features=features, steps=6, checkpoint_every=3, val_interval=3, **SMALL)
+    spec = core.Spec(features=features, steps=4, checkpoint_every=2, val_interval=2, **SMALL)
     straight = context(emb, "trn-straight")
     core.run(spec, straight)
 
-    crashed = context(emb, "trn-crashed", crash_at=5)
+    crashed = context(emb, "trn-crashed", crash_at=3)
     with pytest.raises(Crash):
         core.run(spec, crashed)
     latest = json.loads(crashed.output.get_bytes("checkpoints/latest.json"))
-    assert latest["step"] == 3  # the crash at step 5 lost steps 4 and 5
+    assert latest["step"] == 2  # the crash at step 3 lost step 3
     # Another spec must not continue this checkpoint.
     changed = spec.model_copy(update={"lr": 5e-4, "resume": crashed.output.uri})
     with pytest.raises(ValueError, match="lr"):
@@ -350,18 +349,18 @@ def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
     a, b = history(straight), history(crashed)
     assert [e["loss"] for e in a["train"]] == [e["loss"] for e in b["train"]]
     assert [e["acc"] for e in a["train"]] == [e["acc"] for e in b["train"]]
-    assert a["val"] == b["val"] and [e["step"] for e in a["val"]] == [0, 3, 6]
+    assert a["val"] == b["val"] and [e["step"] for e in a["val"]] == [0, 2, 4]
     for name in ("eagle/model.safetensors", "speculators/model.safetensors"):
         assert straight.output.get_bytes(name) == crashed.output.get_bytes(name)
 
 
 def test_ddp_two_processes_match_one(emb, features):
-    spec = core.Spec(features=features, steps=3, val_interval=2, **{**SMALL, "batch_tokens": 512})
+    spec = core.Spec(features=features, steps=2, val_interval=0, **{**SMALL, "batch_tokens": 512})
     one, two = context(emb, "trn-one"), context(emb, "trn-two")
     core.run(spec, one)
     core.run(spec.model_copy(update={"processes": 2}), two)
     a, b = history(one), history(two)
-    assert [e["step"] for e in b["train"]] == [1, 2, 3] and two.metrics["step"] == 3
+    assert [e["step"] for e in b["train"]] == [1, 2] and two.metrics["step"] == 2
     assert [e["loss"] for e in b["train"]] == pytest.approx([e["loss"] for e in a["train"]], rel=1e-4)
     assert [e["loss"] for e in b["val"]] == pytest.approx([e["loss"] for e in a["val"]], rel=1e-4)
     wa = read_tensors_bytes(one.output.get_bytes("eagle/model.safetensors"))

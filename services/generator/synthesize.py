@@ -55,6 +55,7 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
             break
         batch = max(want + want // 2, 8)  # oversample: some candidates are filtered out
         params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 1_000_003 * rnd})
+        log.info("synthesis round %d: sampling %d candidate requests (%d kept so far)", rnd + 1, batch, len(kept))
         outs = await engine.complete_many([prefix] * batch, params)
         for i, c in enumerate(outs):
             counts["sampled"] += 1
