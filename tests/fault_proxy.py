@@ -7,7 +7,6 @@ Runs its own event loop in a thread; `with FaultProxy(upstream, rates) as url:`.
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ class FaultProxy:
     upstream: str
     rates: dict[str, float] = field(default_factory=dict)  # fault → probability per request
     delay_s: float = 5.0  # for "delay": longer than the client's timeout in the test
-    seed: int = 0
+    cycle: int = 25  # faults are spread evenly: in every `cycle` requests a fault of rate r occurs r·cycle times
     counts: Counter = field(default_factory=Counter)  # injected faults and forwarded requests
     max_in_flight: int = 0  # at the upstream
     in_flight: int = 0
@@ -30,16 +29,17 @@ class FaultProxy:
     def __post_init__(self):
         unknown = set(self.rates) - set(FAULTS)
         assert not unknown, f"unknown faults {unknown}"
-        self._rng = random.Random(self.seed)
+        self._next = 0
         self._lock = threading.Lock()
 
     def _pick(self) -> str | None:
-        with self._lock:
-            r = self._rng.random()
-        acc = 0.0
+        with self._lock:  # a stride coprime with the cycle visits every slot once per cycle, well mixed
+            slot = self._next * 7 % self.cycle
+            self._next += 1
+        taken = 0
         for fault, p in self.rates.items():
-            acc += p
-            if r < acc:
+            taken += round(p * self.cycle)
+            if slot < taken:
                 return fault
         return None
 

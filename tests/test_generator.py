@@ -139,7 +139,7 @@ def test_faults_lose_and_duplicate_nothing(tmp_path, vllm_url):
     """≥ 20 % of requests get a fault of every kind; every prompt is answered exactly once or dead-lettered."""
     prompts = _prompt_file(tmp_path, 40)
     rates = {"delay": 0.04, "429": 0.04, "500": 0.04, "503": 0.04, "reset": 0.04, "truncate": 0.04}
-    proxy = FaultProxy(vllm_url, rates, delay_s=6.0, seed=1)
+    proxy = FaultProxy(vllm_url, rates, delay_s=6.0)
     with proxy as url:
         metrics = _generate(prompts, tmp_path / "out", url, concurrency=8, request_timeout_s=3.0, max_attempts=8)
     injected = sum(proxy.counts[f] for f in rates)
