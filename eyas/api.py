@@ -90,9 +90,16 @@ class _JobCollector:
                 family.add_metric([stage], counts.get((stage, state), 0))
             for state in ("queued", "running"):
                 active.add_metric([stage, state], counts.get((stage, state), 0))
+        # live numbers of running jobs (generator: concurrency, in_flight, completed, failed, retried, tokens_per_s)
+        live = GaugeMetricFamily("eyas_job_metric", "numeric metrics of running jobs", labels=["stage", "job", "name"])
+        for job in self.runtime.jobs.list(state="running", limit=100):
+            for name, value in job.metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    live.add_metric([job.stage, job.id, name], float(value))
         yield submitted
         yield from ended.values()
         yield active
+        yield live
 
 
 def create_app(stage: str, settings: Settings | None = None) -> FastAPI:

@@ -219,3 +219,16 @@ def test_embedded_api_runs_and_cancels_jobs(tmp_path: Path, vllm_url: str):
         assert not (settings.store_root / "datasets" / slow_id / "manifest.json").exists()
         assert _metric(client, 'eyas_jobs_succeeded_total{stage="generate"}') == 1
         assert _metric(client, 'eyas_jobs_cancelled_total{stage="generate"}') == 1
+
+
+def test_metrics_expose_running_jobs_numbers(service_client: TestClient, service_settings: ServiceEnv,
+                                             prompts_file: Path):
+    from eyas.jobs import transition, update
+
+    job_id = service_client.post("/v1/jobs", json={"prompts": str(prompts_file)}).json()["id"]
+    jobs = RedisJobStore(service_settings.settings.redis_url)
+    transition(jobs, job_id, "running")
+    update(jobs, job_id, metrics={"concurrency": 5.5, "in_flight": 3, "retried": 2, "note": "text"})
+    assert _metric(service_client, f'eyas_job_metric{{job="{job_id}",name="concurrency",stage="generate"}}') == 5.5
+    assert _metric(service_client, f'eyas_job_metric{{job="{job_id}",name="in_flight",stage="generate"}}') == 3.0
+    assert 'name="note"' not in service_client.get("/metrics").text
