@@ -60,7 +60,7 @@ class Spec(StageSpec):
 
     @field_validator("prompts")
     @classmethod
-    def _prompts_readable(cls, v: str) -> str:
+    def _prompts_readable(_cls, v: str) -> str:
         load_prompts(resolve_prompt_file(v), limit=1)  # raises PromptFileError naming the file and record
         return v
 

@@ -57,7 +57,7 @@ class MixSource(BaseModel):
 
     @field_validator("prompts")
     @classmethod
-    def _readable(cls, v: str) -> str:
+    def _readable(_cls, v: str) -> str:
         return v if v == "synth" else _check_prompt_file(v)
 
 
@@ -89,7 +89,7 @@ class Spec(StageSpec):
 
     @field_validator("prompts", "held_out")
     @classmethod
-    def _prompts_readable(cls, v: str | None) -> str | None:
+    def _prompts_readable(_cls, v: str | None) -> str | None:
         return v if v is None else _check_prompt_file(v)
 
     @model_validator(mode="after")
@@ -104,7 +104,7 @@ class Spec(StageSpec):
 
     @field_validator("endpoint")
     @classmethod
-    def _endpoint_http(cls, v: str | None) -> str | None:
+    def _endpoint_http(_cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("endpoint must be an http(s):// URL")
         return v
