@@ -21,7 +21,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=96, help="training prompts (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per answer (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
-    p.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts to evaluate on")
+    p.add_argument("--eval-prompts", type=int, default=10, help="MT-bench prompts to evaluate on (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -36,8 +36,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if args.train_steps:
         train["steps"] = args.train_steps
     evaluate: dict = {"stage": "evaluate", "target": args.target}
-    if args.eval_prompts:
-        evaluate["num_prompts"] = args.eval_prompts
+    evaluate["num_prompts"] = args.eval_prompts
     spec = {
         **({"prompts": args.prompts, "limit": args.num_prompts} if args.prompts else {"synthesize": args.num_prompts}),
         "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
