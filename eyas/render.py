@@ -81,12 +81,16 @@ def render_conversation(
     return Rendered(input_ids=ids, loss_mask=mask, text=text)
 
 
-def render_prompt(tokenizer, messages: list[Message], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation up to and including the assistant generation prompt: what a serving engine feeds
-    the target before it generates (the chat endpoint renders the same text and tokenizes it without specials)."""
+def render_prompt_text(tokenizer, messages: list[Message], template_kwargs: dict | None = None) -> str:
+    """A conversation up to and including the assistant generation prompt, as text."""
     template = tokenizer.chat_template or ""
     if not template:
         raise RenderError("tokenizer has no chat template")
     msgs = [_template_message(m, template) for m in messages]
-    text = _render_text(tokenizer, msgs, template_kwargs or {}, generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _render_text(tokenizer, msgs, template_kwargs or {}, generation_prompt=True)
+
+
+def render_prompt(tokenizer, messages: list[Message], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation up to and including the assistant generation prompt: what a serving engine feeds
+    the target before it generates (the chat endpoint renders the same text and tokenizes it without specials)."""
+    return tokenizer(render_prompt_text(tokenizer, messages, template_kwargs), add_special_tokens=False)["input_ids"]

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import httpx
 from pydantic import BaseModel, Field
 
+from eyas.render import render_prompt_text
+
 
 class SamplingParams(BaseModel):
     max_tokens: int = Field(512, ge=1, le=131072)
@@ -184,8 +186,7 @@ class InProcessEngine:
                             fut.set_exception(EngineError(f"in-process generation failed: {e}"))
 
     def render(self, messages: list[dict], params: SamplingParams) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                            **params.chat_template_kwargs)
+        return render_prompt_text(self.tok, messages, params.chat_template_kwargs)
 
     async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
         # Fixed batches in order, each seeded from (seed, batch index): reproducible whatever else runs.
