@@ -71,6 +71,7 @@ def eyas(url: str, n: int, concurrency: int) -> float:
     from services.generator.core import Generator, Journal, Spec, _make_throttle
     from services.generator.dataset import Prompt
     from services.generator.engine import HttpEngine
+    from services.generator.workshare import LocalWork
 
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "p.jsonl"
@@ -86,12 +87,13 @@ def eyas(url: str, n: int, concurrency: int) -> float:
 
         async def main() -> float:
             engine = HttpEngine(url, "target", max_connections=concurrency)
-            gen = Generator(spec, engine, _make_throttle(spec, ctx.settings), Journal(out, flush_every=256), ctx)
+            journal = Journal(out, flush_every=256)
+            gen = Generator(spec, engine, _make_throttle(spec, ctx.settings), journal, ctx)
             t0 = time.perf_counter()
-            results, failures = await gen.run(prompts, {})
+            await gen.run({p.id: p for p in prompts}, LocalWork([p.id for p in prompts]))
             elapsed = time.perf_counter() - t0
             await engine.aclose()
-            assert len(results) == n and not failures
+            assert len(journal.load()) == n and gen.stats["failed"] == 0
             return n / elapsed
 
         return asyncio.run(main())

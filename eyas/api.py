@@ -22,12 +22,14 @@ from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.jobs import (TERMINAL, IllegalTransition, JobNotFound, JobRecord, State, new_job_id, transition,
                        update)
@@ -48,6 +50,21 @@ class Submitted(BaseModel):
 
 class JobView(JobRecord):
     links: dict[str, str]
+
+
+class Problem(BaseModel):
+    field: str  # the field at fault, dotted ("sampling.max_tokens", "then[0].stage", "body")
+    value: Any = None  # the value given
+    message: str
+
+
+class Problems(BaseModel):
+    """4xx answers that name what is wrong."""
+    detail: list[Problem]
+
+
+class Message(BaseModel):
+    detail: str
 
 
 def _links(job: JobRecord) -> dict[str, str]:
@@ -146,6 +163,14 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
             rejected.labels(stage).inc()
         return JSONResponse(status_code=422, content={"detail": problems})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body it cannot decode (not UTF-8): a 422 naming the body, like any bad JSON
+            return JSONResponse(status_code=422, content={"detail": [_problem(
+                "body", "<undecodable bytes>", "the body is not UTF-8 JSON text")]})
+        return await http_exception_handler(request, exc)
+
     bearer = HTTPBearer(auto_error=False, description="EYAS_API_KEY, when the service has one")
 
     def authorized(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -157,7 +182,23 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
         if not hmac.compare_digest(cred.credentials.encode(), settings.api_key.get_secret_value().encode()):
             raise HTTPException(403, "wrong API key")
 
-    v1 = [Depends(authorized)]
+    def known_query(request: Request) -> None:
+        """A misspelt query parameter (`?stat=failed`) is an error, not a silently unfiltered answer."""
+        route = request.scope.get("route")
+        allowed = {p.alias for p in route.dependant.query_params} if route is not None else set()
+        unknown = [k for k in request.query_params if k not in allowed]
+        if unknown:
+            raise HTTPException(422, [_problem(k, request.query_params[k], "unknown query parameter"
+                                               + (f"; this route takes {sorted(allowed)}" if allowed else ""))
+                                      for k in unknown])
+
+    # The key is documented (OpenAPI security) and checked only when the service has one.
+    v1 = [Depends(known_query)] + ([Depends(authorized)] if settings.api_key is not None else [])
+    auth = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}
+    if settings.api_key is not None:
+        auth |= {401: {"model": Message, "description": "no API key"},
+                 403: {"model": Message, "description": "wrong API key"}}
+    missing = {404: {"model": Problems, "description": "no such job"}}
 
     def get_job(job_id: str) -> JobRecord:
         try:
@@ -166,7 +207,8 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
             raise HTTPException(404, [_problem("id", job_id, "no such job")]) from None
 
     @app.post("/v1/jobs", status_code=202, response_model=Submitted, dependencies=v1,
-              responses={422: {"description": "invalid spec: detail names the field and the value"}})
+              responses={**auth, 503: {"model": Message,
+                                       "description": "the queue could not take the job (the job record says so)"}})
     def submit_job(spec: Annotated[spec_cls, Body()], response: Response) -> Submitted:
         job_id = new_job_id(stage)
         try:
@@ -183,17 +225,17 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
         response.headers["Location"] = f"/v1/jobs/{job.id}"
         return Submitted(id=job.id, status=job.state, links=_links(job))
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView, dependencies=v1)
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, dependencies=v1, responses={**auth, **missing})
     def read_job(job_id: JobId) -> JobView:
         return _view(get_job(job_id))
 
-    @app.get("/v1/jobs", response_model=list[JobView], dependencies=v1)
+    @app.get("/v1/jobs", response_model=list[JobView], dependencies=v1, responses=auth)
     def list_jobs(state: Annotated[State | None, Query()] = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobView]:
         return [_view(j) for j in runtime.jobs.list(stage=stage, limit=limit, state=state)]
 
     @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobView, dependencies=v1,
-              responses={409: {"description": "the job has already ended"}})
+              responses={**auth, **missing, 409: {"model": Problems, "description": "the job has already ended"}})
     def cancel_job(job_id: JobId) -> JobView:
         job = get_job(job_id)
         if job.state == "queued":

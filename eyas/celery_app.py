@@ -25,7 +25,8 @@ from kombu import Queue
 from eyas.settings import Settings
 from eyas.stages import STAGE_ORDER
 
-TASK = "eyas.run_job"  # the one task: run_job(job_id), routed to the job's stage queue
+TASK = "eyas.run_job"  # run_job(job_id), routed to the job's stage queue
+ASSIST_TASK = "eyas.assist_job"  # assist_job(job_id, attempt): a helper's share of a running job, same queue
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -62,3 +63,13 @@ def celery_dispatch(app: Celery):
         app.send_task(TASK, args=[job_id], queue=stage, routing_key=stage)
 
     return dispatch
+
+
+def celery_recruit(app: Celery):
+    """Ask `n` more workers of the stage to help with a running job: n helper tasks on the stage's queue."""
+
+    def recruit(stage: str, job_id: str, attempt: int, n: int) -> None:
+        for _ in range(n):
+            app.send_task(ASSIST_TASK, args=[job_id, attempt], queue=stage, routing_key=stage)
+
+    return recruit

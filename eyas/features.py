@@ -106,6 +106,12 @@ class FeatureReader:
         width = len(self.layout.aux_layers) * self.layout.hidden_size
         if t[AUX_HIDDEN].shape[1:] != (width,) or t[FINAL_HIDDEN].shape[1:] != (self.layout.hidden_size,):
             raise ValueError(f"{self.artifact.uri}/{name}: tensor widths disagree with the layout")
+        for key in (AUX_HIDDEN, FINAL_HIDDEN):  # NaN/inf would poison every step that sees it: name the sample
+            bad = (~torch.isfinite(t[key])).any(dim=1).nonzero()
+            if len(bad):
+                sample = int(torch.searchsorted(t[OFFSETS], bad[0], right=True)[0]) - 1
+                raise ValueError(f"{self.artifact.uri}/{name}: non-finite values (NaN/inf) in {key} of sample "
+                                 f"{sample} of the shard (token {int(bad[0])})")
         return t
 
     def samples(self) -> Iterator[Sample]:

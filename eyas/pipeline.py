@@ -2,6 +2,7 @@
 
 submit():  validate a spec, create the job record (queued), hand it to the dispatcher.
 execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then`.
+assist():  a helper's share of a running job (service mode; the generator shares its prompts among workers).
 A redelivered job (its worker died) runs again into the same deterministic prefix; an artifact whose manifest is
 already committed there is reused, so it is written exactly once.
 """
@@ -22,6 +23,7 @@ from eyas.store import Artifact, ObjectStore
 log = logging.getLogger(__name__)
 
 Dispatch = Callable[[str, str], None]  # (stage, job_id) → schedules execute(job_id)
+Recruit = Callable[[str, str, int, int], None]  # (stage, job_id, attempt, n) → schedules n × assist(job_id, attempt)
 
 
 class SpecError(ValueError):
@@ -81,7 +83,7 @@ def submit(stage_name: str, spec: dict[str, Any], jobs: JobStore, dispatch: Disp
 
 
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
-            output: Artifact | None = None) -> JobRecord:
+            output: Artifact | None = None, recruit: Recruit | None = None) -> JobRecord:
     job = jobs.get(job_id)
     if job.state in TERMINAL:
         log.info("job %s is already %s; nothing to do", job_id, job.state)
@@ -91,7 +93,9 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
     stage = get_stage(job.stage)
     job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
     output = output or Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
-    ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, output=output)
+    ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, output=output,
+                       attempt=job.attempts, recruit=None if recruit is None else (
+                           lambda n: recruit(job.stage, job_id, job.attempts, n)))
     try:
         spec = stage.spec_cls.model_validate(job.spec)
         if output.exists("manifest.json"):
@@ -124,3 +128,19 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
             submit(name, nxt_spec, jobs, dispatch, parent=job_id, job_id=next_job)
     return transition(jobs, job_id, "succeeded", metrics={**ctx.metrics, **metrics}, artifacts=artifacts,
                       next_job=next_job)
+
+
+def assist(job_id: str, attempt: int, jobs: JobStore, store: ObjectStore, settings: Settings) -> None:
+    """Help run `attempt` of a running job. A helper that finds the job finished, or re-run since, does nothing;
+    one that fails only logs: the job's own run takes over whatever it left (see services/generator/workshare)."""
+    job = jobs.get(job_id)
+    stage = get_stage(job.stage)
+    if job.state != "running" or job.attempts != attempt or stage.assist is None:
+        log.info("job %s: nothing to help with (%s, attempt %d)", job_id, job.state, job.attempts)
+        return
+    ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, attempt=attempt,
+                       output=Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id)))
+    try:
+        stage.assist(stage.spec_cls.model_validate(job.spec), ctx)
+    except Exception:
+        log.exception("helping job %s failed; its own run takes over", job_id)

@@ -20,6 +20,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, help="OpenAI-compatible endpoint for generation (default: in-process)")
     p.add_argument("--num-prompts", type=int, default=96, help="training prompts (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per answer (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=48,
+                   help="requests generated at once (in-process: one batch; on 2 cores 48 gives ~1.6x the tokens/s "
+                        "of 16) (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=10, help="MT-bench prompts to evaluate on (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -39,7 +42,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     evaluate["num_prompts"] = args.eval_prompts
     spec = {
         **({"prompts": args.prompts, "limit": args.num_prompts} if args.prompts else {"synthesize": args.num_prompts}),
-        "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
+        "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "concurrency": args.batch,
+        "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
         "then": [{"stage": "extract", "target": args.target}, train, evaluate],
     }
     t0 = time.monotonic()

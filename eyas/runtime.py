@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eyas.jobs import JobStore, RedisJobStore
-from eyas.pipeline import Dispatch, execute
+from eyas.pipeline import Dispatch, Recruit, execute
 from eyas.settings import Settings
 from eyas.store import ObjectStore, S3Store
 
@@ -27,12 +27,13 @@ class Runtime:
     jobs: JobStore
     store: ObjectStore
     dispatch: Dispatch
+    recruit: Recruit | None = None  # service mode: helpers for a running job (eyas.pipeline.assist)
     checks: dict[str, Callable[[], None]] = field(default_factory=dict)  # readiness: name → raises if not ready
     close: Callable[[], None] = lambda: None
 
 
 def service_runtime(settings: Settings) -> Runtime:
-    from eyas.celery_app import celery_dispatch, make_celery
+    from eyas.celery_app import celery_dispatch, celery_recruit, make_celery
 
     app = make_celery(settings)
     jobs = RedisJobStore(settings.redis_url)
@@ -43,6 +44,7 @@ def service_runtime(settings: Settings) -> Runtime:
             conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=3)
 
     return Runtime(settings=settings, jobs=jobs, store=store, dispatch=celery_dispatch(app),
+                   recruit=celery_recruit(app),
                    checks={"broker": broker, "jobs": jobs.ping, "store": store.ping})
 
 

@@ -23,6 +23,8 @@ class Settings(BaseSettings):
     s3_secret_key: SecretStr = SecretStr("eyas-secret")
     s3_secure: bool = False
     s3_bucket: str = "eyas"
+    # how long one store operation keeps retrying while S3 is unreachable or answering 5xx (then the job fails)
+    s3_retry_s: float = Field(120.0, ge=0)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     # kombu's Redis transport gives an unacked task to another worker once its delivery is older than this.
@@ -32,6 +34,10 @@ class Settings(BaseSettings):
     visibility_timeout_s: float = Field(60.0, gt=0)
     # How often each worker sweeps for expired deliveries (kombu's default: every 10 s × throttle 10 = 100 s).
     unacked_restore_interval_s: float = Field(2.0, gt=0)
+
+    # Generator: the most requests one worker process keeps in flight, whatever a job's concurrency (its global
+    # maximum per endpoint) allows; more workers, more in flight, up to that maximum.
+    worker_max_in_flight: int = Field(256, ge=1)
 
     api_key: SecretStr | None = None  # bearer key for every API when set
 

@@ -50,6 +50,9 @@ class StageContext:
     store: ObjectStore
     jobs: JobStore
     output: Artifact  # where this job's artifact goes (deterministic: {kind}/{job_id})
+    attempt: int = 1  # the job's run number (a redelivered task runs it again)
+    # service mode: recruit(n) asks n more workers of this stage to help with this run (the stage's `assist`)
+    recruit: Callable[[int], None] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     _last_progress: float = 0.0
 
@@ -77,10 +80,13 @@ class Stage:
     spec_cls: type[StageSpec]
     run: Callable[[StageSpec, StageContext], StageResult]
     input_field: str
+    # a helper's part of a running job (generator only): joins the work the job's own run shares
+    assist: Callable[[StageSpec, StageContext], None] | None = None
 
 
 def get_stage(name: str) -> Stage:
     if name not in _MODULES:
         raise KeyError(f"unknown stage {name!r}; stages are {list(_MODULES)}")
     mod = importlib.import_module(_MODULES[name])
-    return Stage(name=name, spec_cls=mod.Spec, run=mod.run, input_field=mod.INPUT_FIELD)
+    return Stage(name=name, spec_cls=mod.Spec, run=mod.run, input_field=mod.INPUT_FIELD,
+                 assist=getattr(mod, "assist", None))

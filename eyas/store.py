@@ -1,13 +1,15 @@
 """Object store: one interface, two backends (local directory for embedded mode, S3 via `minio`).
 
 Readers never see a partial object: the local backend writes to a temp file and renames it into place; S3 makes an
-object visible only once its upload completes. Artifacts are addressed by URI:
+object visible only once its upload completes. S3 calls ride out an outage: a refused or dropped connection, a
+timeout or a 5xx is retried with backoff for up to `s3_retry_s` (an interrupted upload is simply sent again). Artifacts are addressed by URI:
   s3://BUCKET/PREFIX      an S3 prefix on the configured endpoint
   file://DIR or DIR       a local directory
 """
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import tempfile
@@ -16,6 +18,19 @@ from typing import Protocol
 
 from eyas.keys import safe_key
 from eyas.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+_RETRY_S3_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"})
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth retrying: the server is away (connection refused, reset, timed out) or failing (5xx)."""
+    import urllib3
+    from minio.error import S3Error, ServerError
+
+    if isinstance(e, S3Error):
+        return e.code in _RETRY_S3_CODES
+    return isinstance(e, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError | ServerError)
 
 
 class ObjectStore(Protocol):
@@ -89,59 +104,100 @@ class LocalStore:
 
 class S3Store:
     def __init__(self, settings: Settings, bucket: str | None = None):
+        import certifi
+        import urllib3
         from minio import Minio
 
         self.bucket = bucket or settings.s3_bucket
         self.endpoint = settings.s3_endpoint
+        self.retry_s = settings.s3_retry_s
+        # No retries inside urllib3: every failure surfaces to _call, which retries the whole operation.
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5, read=120), maxsize=10, retries=False,
+                                   cert_reqs="CERT_REQUIRED" if settings.s3_secure else "CERT_NONE",
+                                   ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where())
         self.client = Minio(
             settings.s3_endpoint,
             access_key=settings.s3_access_key,
             secret_key=settings.s3_secret_key.get_secret_value(),
             secure=settings.s3_secure,
+            http_client=http,
         )
 
+    def _call(self, what: str, fn):
+        """fn(), retried with backoff while the failure is transient, for up to retry_s seconds."""
+        from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+        def warn(state) -> None:
+            log.warning("S3 %s at %s failed (%s); retrying in %.1f s", what, self.endpoint,
+                        state.outcome.exception(), state.next_action.sleep)
+
+        for attempt in Retrying(stop=stop_after_delay(self.retry_s), wait=wait_exponential(multiplier=0.25, max=5),
+                                retry=retry_if_exception(_transient), before_sleep=warn, reraise=True):
+            with attempt:
+                return fn()
+
     def ensure_bucket(self) -> None:
-        if not self.client.bucket_exists(self.bucket):
-            self.client.make_bucket(self.bucket)
+        def ensure() -> None:
+            if not self.client.bucket_exists(self.bucket):
+                self.client.make_bucket(self.bucket)
+
+        self._call("bucket check", ensure)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(self.bucket, safe_key(key), io.BytesIO(data), len(data))
+        k = safe_key(key)
+        self._call(f"put {k}", lambda: self.client.put_object(self.bucket, k, io.BytesIO(data), len(data)))
 
     def put_file(self, key: str, path: Path) -> None:
-        self.client.fput_object(self.bucket, safe_key(key), str(path))
+        k = safe_key(key)
+        self._call(f"put {k}", lambda: self.client.fput_object(self.bucket, k, str(path)))
 
     def get_bytes(self, key: str) -> bytes:
-        resp = self.client.get_object(self.bucket, safe_key(key))
-        try:
-            return resp.read()
-        finally:
-            resp.close()
-            resp.release_conn()
+        k = safe_key(key)
+
+        def get() -> bytes:
+            resp = self.client.get_object(self.bucket, k)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        return self._call(f"get {k}", get)
 
     def get_file(self, key: str, path: Path) -> None:
-        self.client.fget_object(self.bucket, safe_key(key), str(path))
+        k = safe_key(key)
+        self._call(f"get {k}", lambda: self.client.fget_object(self.bucket, k, str(path)))
 
     def exists(self, key: str) -> bool:
         from minio.error import S3Error
 
-        try:
-            self.client.stat_object(self.bucket, safe_key(key))
-            return True
-        except S3Error as e:
-            if e.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket"):
-                return False
-            raise
+        k = safe_key(key)
+
+        def stat() -> bool:
+            try:
+                self.client.stat_object(self.bucket, k)
+                return True
+            except S3Error as e:
+                if e.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket"):
+                    return False
+                raise
+
+        return self._call(f"stat {k}", stat)
 
     def list(self, prefix: str) -> list[str]:
         p = safe_key(prefix) + "/" if prefix else ""
-        return sorted(o.object_name for o in self.client.list_objects(self.bucket, prefix=p, recursive=True))
+        return self._call(f"list {p}", lambda: sorted(
+            o.object_name for o in self.client.list_objects(self.bucket, prefix=p, recursive=True)))
 
     def delete_prefix(self, prefix: str) -> None:
         from minio.deleteobjects import DeleteObject
 
-        errors = self.client.remove_objects(self.bucket, [DeleteObject(k) for k in self.list(prefix)])
-        for err in errors:
-            raise RuntimeError(f"could not delete {err.name}: {err.message}")
+        def delete() -> None:
+            errors = self.client.remove_objects(self.bucket, [DeleteObject(k) for k in self.list(prefix)])
+            for err in errors:
+                raise RuntimeError(f"could not delete {err.name}: {err.message}")
+
+        self._call(f"delete {prefix}/", delete)
 
     def uri(self, prefix: str) -> str:
         return f"s3://{self.bucket}/{safe_key(prefix)}" if prefix else f"s3://{self.bucket}"

@@ -1,4 +1,4 @@
-"""The Celery task of the service mode, and the worker entry point.
+"""The Celery tasks of the service mode (run a job; help run a job), and the worker entry point.
 
 Start a stage's worker with `eyas worker --stage generate [--concurrency N]` (→ `run_worker`), or
 `python -m services.generator.worker`. The worker reads settings from the environment (EYAS_MODE=service,
@@ -16,9 +16,9 @@ from functools import lru_cache
 
 from kombu.transport.redis import Channel
 
-from eyas.celery_app import TASK, make_celery
+from eyas.celery_app import ASSIST_TASK, TASK, make_celery
 from eyas.jobs import IllegalTransition, JobNotFound
-from eyas.pipeline import execute
+from eyas.pipeline import assist, execute
 from eyas.runtime import Runtime, service_runtime
 from eyas.settings import get_settings
 from eyas.stages import STAGE_ORDER, get_stage
@@ -72,11 +72,23 @@ def run_job(self, job_id: str) -> str:
     runtime = _runtime()
     with _keep_delivery_young(runtime, (self.request.properties or {}).get("delivery_tag")):
         try:
-            job = execute(job_id, runtime.jobs, runtime.store, runtime.settings, runtime.dispatch)
+            job = execute(job_id, runtime.jobs, runtime.store, runtime.settings, runtime.dispatch,
+                          recruit=runtime.recruit)
         except (JobNotFound, IllegalTransition) as e:  # deleted, or cancelled between our read and our start
             log.warning("job %s not run: %s", job_id, e)
             return "skipped"
     return job.state
+
+
+@app.task(name=ASSIST_TASK, bind=True)
+def assist_job(self, job_id: str, attempt: int) -> str:
+    runtime = _runtime()
+    with _keep_delivery_young(runtime, (self.request.properties or {}).get("delivery_tag")):
+        try:
+            assist(job_id, attempt, runtime.jobs, runtime.store, runtime.settings)
+        except JobNotFound as e:
+            log.warning("job %s not helped: %s", job_id, e)
+    return "done"
 
 
 def run_worker(stage: str, concurrency: int = 1) -> None:

@@ -1,6 +1,7 @@
 """A fault-injecting HTTP proxy for tests: it sits in front of a real OpenAI-compatible endpoint and, at set
 rates, delays past the client's timeout, answers 429 with Retry-After, 500 or 503, resets the connection, or
-truncates the response body. It also measures how many requests are in flight at the endpoint at once.
+truncates the response body; optionally adds a fixed latency to every request. It also measures how many requests
+are in flight at the endpoint at once, and when each completion ended.
 
 Runs its own event loop in a thread; `with FaultProxy(upstream, rates) as url:`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -21,10 +23,12 @@ class FaultProxy:
     upstream: str
     rates: dict[str, float] = field(default_factory=dict)  # fault → probability per request
     delay_s: float = 5.0  # for "delay": longer than the client's timeout in the test
+    latency_s: float = 0.0  # added to every forwarded request: an endpoint whose capacity outruns its latency
     cycle: int = 25  # faults are spread evenly: in every `cycle` requests a fault of rate r occurs r·cycle times
     counts: Counter = field(default_factory=Counter)  # injected faults and forwarded requests
     max_in_flight: int = 0  # at the upstream
     in_flight: int = 0
+    completed_at: list[float] = field(default_factory=list)  # monotonic end time of each forwarded completion
 
     def __post_init__(self):
         unknown = set(self.rates) - set(FAULTS)
@@ -83,11 +87,14 @@ class FaultProxy:
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
                 try:
+                    await asyncio.sleep(self.latency_s)
                     resp = await self._client.request(method, self.upstream + path, content=body,
                                                       headers={"content-type": headers.get("content-type", "")})
                 finally:
                     self.in_flight -= 1
                 self.counts["forwarded"] += 1
+                if path.endswith("/completions"):
+                    self.completed_at.append(time.monotonic())
                 if fault == "truncate":
                     writer.write(self._response(resp.status_code, resp.content[: len(resp.content) // 2],
                                                 length=len(resp.content)))

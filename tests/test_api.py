@@ -16,7 +16,7 @@ from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import S3Store, open_artifact
 from tests.conftest import ServiceEnv, wait_for_job
-from tests.servers import free_port
+from tests.servers import S3_SECRET, free_port
 
 LONG_PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle.",
@@ -157,22 +157,36 @@ def test_missing_prompt_file_and_broken_body(service_client, service_settings, t
     _nothing_written(service_settings.settings)
 
 
-def test_api_key(service_settings: ServiceEnv, prompts_file: Path):
+@pytest.mark.parametrize("stage", ["generate", "extract", "train", "evaluate"])
+def test_api_key(stage: str, service_settings: ServiceEnv, prompts_file: Path):
     settings = service_settings.settings.model_copy(update={"api_key": SecretStr("k3y-0123456789")})
-    with TestClient(create_app("generate", settings)) as client:
-        body = {"prompts": str(prompts_file)}
+    body = {"generate": {"prompts": str(prompts_file)}, "extract": {"data": "s3://b/datasets/x"},
+            "train": {"features": "s3://b/features/x"}, "evaluate": {"drafter": "s3://b/drafters/x"}}[stage]
+    with TestClient(create_app(stage, settings)) as client:
         r = client.post("/v1/jobs", json=body)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert client.post("/v1/jobs", json=body, headers={"Authorization": "Basic k3y-0123456789"}).status_code == 401
         assert client.post("/v1/jobs", json=body, headers={"Authorization": "Bearer k3y-0123456788"}).status_code == 403
         assert client.get("/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert client.get("/v1/jobs/x-1", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert client.post("/v1/jobs/x-1/cancel").status_code == 401
         _nothing_written(settings)
         r = client.post("/v1/jobs", json=body, headers={"Authorization": "Bearer k3y-0123456789"})
         assert r.status_code == 202
-        assert client.get(r.json()["links"]["self"], headers={"Authorization": "Bearer k3y-0123456789"}).json()[
-            "state"] == "queued"
+        job = client.get(r.json()["links"]["self"], headers={"Authorization": "Bearer k3y-0123456789"}).json()
+        assert job["state"] == "queued"
+        assert "k3y-0123456789" not in json.dumps(job) and S3_SECRET not in json.dumps(job)  # no secret recorded
         assert client.get("/healthz").status_code == 200  # probes stay open
-        assert "/v1/jobs" in client.get("/openapi.json").json()["paths"]
+        doc = client.get("/openapi.json").json()
+        assert "/v1/jobs" in doc["paths"] and doc["paths"]["/v1/jobs"]["post"]["security"] == [{"HTTPBearer": []}]
+    with TestClient(create_app(stage, service_settings.settings)) as client:  # no key: none asked, none documented
+        assert "security" not in client.get("/openapi.json").json()["paths"]["/v1/jobs"]["post"]
+
+
+def test_unknown_query_parameters_are_named(service_client: TestClient):
+    r = service_client.get("/v1/jobs?stat=failed")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "stat"
+    assert "['limit', 'state']" in r.json()["detail"][0]["message"]
 
 
 def test_readiness(service_client: TestClient, service_settings: ServiceEnv):

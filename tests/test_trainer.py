@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from eyas.drafter import Drafter, TTTCache, load_drafter
 from eyas.embedded import Embedded
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
-from eyas.manifest import ArtifactWriter, Manifest, read_manifest
+from eyas.manifest import ArtifactWriter, Manifest, read_manifest, sha256_file
 from eyas.settings import Settings
 from eyas.stages import StageContext
 from eyas.store import Artifact, open_artifact
@@ -327,6 +329,40 @@ def test_features_of_another_target_are_refused(emb, features, tmp_path):
     spec = core.Spec(features=str(tmp_path / "f"), steps=1, **SMALL)
     with pytest.raises(LayoutMismatch, match="tokenizer_hash"):
         core.run(spec, context(emb, "trn-foreign"))
+
+
+def _tampered_copy(features: str, dest: Path, tamper, rehash: bool) -> str:
+    """A copy of a features artifact whose first shard went through `tamper(path)`; with rehash the manifest is
+    made to agree with the new bytes (a buggy writer), without it the manifest still has the original hash."""
+    shutil.copytree(Path(open_artifact(features).store.root), dest)
+    m = json.loads((dest / "manifest.json").read_text())
+    shard = sorted(n for n in m["files"] if n.endswith(".safetensors"))[0]
+    tamper(dest / shard)
+    if rehash:
+        m["files"][shard] = {"sha256": sha256_file(dest / shard), "bytes": (dest / shard).stat().st_size}
+        (dest / "manifest.json").write_text(json.dumps(m))
+    return str(dest)
+
+
+def _poison(path: Path) -> None:
+    t = load_file(str(path))
+    t["aux_hidden"][7, 3] = float("nan")  # token 7: the first sample's
+    save_file(t, str(path))
+
+
+@pytest.mark.parametrize("case, tamper, rehash, reason", [
+    ("nan", _poison, True, r"non-finite values \(NaN/inf\) in aux_hidden of sample 0 .*token 7"),
+    ("truncated", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), False,
+     "sha256 differs from the manifest"),
+])
+def test_bad_features_fail_the_job_by_name_and_commit_nothing(emb, features, tmp_path, case, tamper, rehash, reason):
+    bad = _tampered_copy(features, tmp_path / case, tamper, rehash)
+    with pytest.raises(Exception, match=reason):
+        emb.run_job("train", {"features": bad, "steps": 2, **SMALL})
+    [job] = [j for j in emb.jobs.list(stage="train", state="failed") if j.spec["features"] == bad]
+    assert re.search(reason, job.error), job.error  # the job record says why
+    out = open_artifact(f"{emb.settings.store_root}/drafters/{job.id}")
+    assert not out.exists("manifest.json")  # no drafter a later stage could pick up
 
 
 def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from eyas.drafter import Drafter, TTTCache
 from eyas.render import render_prompt
@@ -155,7 +156,7 @@ def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prom
     stop = stop_ids(target)
     drafts, per_pos, spec_tokens, spec_s, greedy_tokens, greedy_s, forwards = 0, [0] * k, 0, 0.0, 0, 0.0, 0
     records = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(tqdm(prompts, desc="evaluate", unit="prompt")):
         spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop)
         ref = greedy(target, p.ids, max_new_tokens, stop)
         diff = first_difference(spec.tokens, ref.tokens)

@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field
+from tqdm import tqdm
 
 from eyas.features import Sample, ShardBuffer, shard_name
 from eyas.layout import Layout, default_aux_layers
@@ -103,6 +104,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             path.unlink()
             counts["shards"] += 1
 
+        bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True)
         for batch in _batches(items, spec.batch_tokens):
             T = len(batch[0][1])
             input_ids = torch.zeros(len(batch), T, dtype=torch.long)
@@ -126,6 +128,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             done += sum(len(i[1]) for i in batch)
             ctx.metrics.update(tokens=done)
             ctx.progress(done, total_tokens, "tokens")
+            bar.update(sum(len(i[1]) for i in batch))
+        bar.close()
         if buf.samples:
             flush()
         writer.put_bytes("samples.txt", ("\n".join(ids_in_order) + "\n").encode())

@@ -14,6 +14,7 @@ import logging
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,7 @@ from services.generator.engine import (
     SamplingParams,
 )
 from services.generator.throttle import AimdState, GlobalLeases, Throttle
+from services.generator.workshare import LocalWork, SharedWork, Work
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "prompts"
@@ -86,6 +88,8 @@ class Spec(StageSpec):
     max_attempts: int = Field(6, ge=1, le=100, description="tries per request before the dead-letter file")
     request_timeout_s: float | None = Field(None, gt=0, description="read timeout (default sized to max_tokens)")
     checkpoint_every: int = Field(8, ge=1, description="finished samples per journal part (resume granularity)")
+    max_workers: int = Field(8, ge=1, le=256, description="service mode: most generator workers that share this "
+                             "job (its own and the helpers it asks the generate queue for); 1 = its own only")
 
     @field_validator("prompts", "held_out")
     @classmethod
@@ -132,23 +136,38 @@ class DeadLetter(Exception):
 
 
 class Journal:
-    """Finished samples, committed in small atomic parts under the output prefix: the source of resume.
-    A rerun (or a redelivered task) reads them and regenerates none; kill -9 loses only unflushed samples,
-    which are regenerated, so nothing is lost and nothing is written twice into the final shards."""
+    """Finished samples, committed in small atomic parts under the output prefix: the source of resume and of the
+    final shards (every worker sharing a job journals here). A rerun (or a redelivered task) reads them and
+    regenerates none; kill -9 loses only unflushed samples, which are regenerated, so nothing is lost and nothing
+    is written twice into the final shards. Dead letters are committed at once, in parts of their own.
+    `on_commit(ids)` is told which prompts each commit made durable."""
 
-    def __init__(self, artifact: Artifact, flush_every: int = 8, flush_s: float = 5.0):
-        self.artifact, self.flush_every, self.flush_s = artifact, flush_every, flush_s
+    def __init__(self, artifact: Artifact, flush_every: int = 8, flush_s: float = 5.0,
+                 on_commit: Callable[[list[str]], None] = lambda ids: None):
+        self.artifact, self.flush_every, self.flush_s, self.on_commit = artifact, flush_every, flush_s, on_commit
         self.buffer: list[dict] = []
         self._last = time.monotonic()
 
-    def load(self) -> dict[str, dict]:
-        done: dict[str, dict] = {}
-        for name in sorted(n for n in self.artifact.names() if n.startswith("parts/part-")):
+    def _read(self, prefix: str) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for name in sorted(n for n in self.artifact.names() if n.startswith(prefix)):
             for line in self.artifact.get_bytes(name).decode().splitlines():
                 if line.strip():
                     rec = json.loads(line)
-                    done.setdefault(rec["id"], rec)
-        return done
+                    out.setdefault(rec["id"], rec)
+        return out
+
+    def load(self) -> dict[str, dict]:
+        """Finished samples by prompt id (the first journaled, if a prompt was ever generated twice)."""
+        return self._read("parts/part-")
+
+    def load_dead(self) -> dict[str, dict]:
+        return self._read("parts/dead-")
+
+    def add_dead(self, record: dict) -> None:
+        self.artifact.put_bytes(f"parts/dead-{time.time_ns()}-{uuid.uuid4().hex[:6]}.jsonl",
+                                (json.dumps(record) + "\n").encode())
+        self.on_commit([record["id"]])
 
     def add(self, record: dict) -> None:
         self.buffer.append(record)
@@ -159,7 +178,9 @@ class Journal:
         if self.buffer:
             body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.buffer).encode()
             self.artifact.put_bytes(f"parts/part-{time.time_ns()}-{uuid.uuid4().hex[:6]}.jsonl", body)
+            ids = [r["id"] for r in self.buffer]
             self.buffer = []
+            self.on_commit(ids)
         self._last = time.monotonic()
 
 
@@ -211,47 +232,50 @@ class Generator:
                 "chat_template_kwargs": self.spec.sampling.chat_template_kwargs,
                 **({"meta": prompt.meta} if prompt.meta else {})}
 
-    def _report(self, total: int) -> None:
+    def _report(self, work: Work, total: int, already: int) -> None:
+        """The coordinator's view on the job record: every participant's finished prompts, its own rates."""
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         self.ctx.metrics.update(**self.stats, in_flight=self.throttle.in_flight,
                                 concurrency=round(self.throttle.aimd.limit, 2),
                                 tokens_per_s=round(self.stats["completion_tokens"] / elapsed, 1))
-        self.ctx.progress(self.stats["completed"] + self.stats["failed"], total, "prompts")
+        own = self.stats["completed"] + self.stats["failed"]
+        self.ctx.progress(already + max(own, work.finished_count()), total, "prompts")
 
-    async def run(self, prompts: list[Prompt], done: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
-        """Generate every prompt not in `done`; returns (all finished records by id, dead letters)."""
+    async def run(self, prompts: dict[str, Prompt], work: Work, already: int = 0, coordinator: bool = True) -> None:
+        """Generate the prompts `work` hands out, journaling each; `already` were finished before. The coordinator
+        also waits until no prompt is open anywhere (taking over the claims of participants that died)."""
         from tqdm.asyncio import tqdm
 
-        results = dict(done)
-        failures: list[dict] = []
-        todo = [p for p in prompts if p.id not in done]
-        self.stats["completed"] = len(prompts) - len(todo)
-        queue: asyncio.Queue[Prompt] = asyncio.Queue()
-        for p in todo:
-            queue.put_nowait(p)
-        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="generate", unit="prompt")
+        total = already + len(prompts) if coordinator else len(prompts)
+        bar = tqdm(total=total, initial=already, desc="generate", unit="prompt")
 
         async def worker():
-            while not queue.empty():
-                p = queue.get_nowait()
+            while True:
+                prompt_id = work.claim()
+                if prompt_id is None:
+                    self.journal.flush()  # commit (and so release) what this process holds before waiting
+                    if not coordinator or work.open_count() == 0:
+                        return
+                    await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
+                    self._report(work, total, already)
+                    continue
                 try:
-                    rec = await self.converse(p)
+                    rec = await self.converse(prompts[prompt_id])
                 except DeadLetter as e:
-                    failures.append(e.record)
+                    self.journal.add_dead(e.record)
                     self.stats["failed"] += 1
                 else:
-                    results[p.id] = rec
                     self.journal.add(rec)
                     self.stats["completed"] += 1
                     self.stats["completion_tokens"] += sum(t["completion_tokens"] for t in rec["turns"])
                 bar.update(1)
-                self._report(len(prompts))
+                if coordinator:
+                    self._report(work, total, already)
 
         # one task per possible slot; the throttle decides how many are in flight
-        await asyncio.gather(*(worker() for _ in range(min(self.spec.concurrency, max(len(todo), 1)))))
+        await asyncio.gather(*(worker() for _ in range(max(1, min(self.throttle.aimd.maximum, len(prompts))))))
         self.journal.flush()
         bar.close()
-        return results, failures
 
 
 def _load_file(uri: str) -> list[Prompt]:
@@ -309,25 +333,54 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer) -> tuple[list[Pr
 PROMPTS_FILE = "prompts.jsonl"  # the job's resolved prompt list, fixed at the first run (resume reuses it)
 
 
+def _make_engine(spec: Spec) -> Engine:
+    return (HttpEngine(spec.endpoint, spec.model or "target", timeout_s=spec.request_timeout_s)
+            if spec.endpoint else InProcessEngine(spec.target, max_batch=spec.concurrency))
+
+
 def _make_throttle(spec: Spec, settings) -> Throttle:
+    # this process's share: the job's concurrency, capped by what one worker may keep in flight
+    most = min(spec.concurrency, settings.worker_max_in_flight)
     if spec.endpoint is None:  # in-process: the engine batches whatever is in flight
-        return Throttle(AimdState(limit=spec.concurrency, maximum=spec.concurrency))
+        return Throttle(AimdState(limit=most, maximum=most))
     leases = None
-    if settings.mode == "service":  # every worker shares one maximum per endpoint
+    if settings.mode == "service":  # every worker shares one maximum (the job's concurrency) per endpoint
         leases = GlobalLeases(settings.redis_url, spec.endpoint, spec.concurrency)
-    start = spec.initial_concurrency or min(4, spec.concurrency)
-    return Throttle(AimdState(limit=start, maximum=spec.concurrency), leases)
+    start = min(spec.initial_concurrency or 4, most)
+    return Throttle(AimdState(limit=start, maximum=most), leases)
+
+
+async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict[str, Prompt], work: Work,
+                    journal: Journal, already: int, coordinator: bool) -> dict[str, int]:
+    throttle = _make_throttle(spec, ctx.settings)
+    try:
+        gen = Generator(spec, engine, throttle, journal, ctx)
+        await gen.run(prompts, work, already, coordinator)
+        return gen.stats
+    finally:
+        if throttle.leases is not None:
+            await throttle.leases.aclose()
+
+
+def _share_work(spec: Spec, ctx: StageContext, pending: list[str]) -> Work:
+    """Service mode: publish the pending prompts for every generator worker and ask for helpers."""
+    if ctx.recruit is None or spec.max_workers == 1 or len(pending) < 2:
+        return LocalWork(pending)
+    work = SharedWork(ctx.settings.redis_url, ctx.job_id, ctx.attempt, ctx.settings.visibility_timeout_s)
+    work.publish(pending)
+    ctx.recruit(min(spec.max_workers - 1, len(pending) - 1))
+    return work
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
+    """The job's own task (the coordinator): resolve the prompts, generate them (with helpers in service mode),
+    and fold the journal into the final shards."""
     tokenizer = load_tokenizer(spec.target)
     tok_hash = tokenizer_hash(tokenizer)
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
 
     async def main():
-        engine: Engine = (HttpEngine(spec.endpoint, spec.model or "target", timeout_s=spec.request_timeout_s)
-                          if spec.endpoint else InProcessEngine(spec.target, max_batch=spec.concurrency))
-        throttle = _make_throttle(spec, ctx.settings)
+        engine = _make_engine(spec)
         try:
             if ctx.output.exists(PROMPTS_FILE):  # resume: the same prompts, not a fresh synthesis
                 saved = json.loads(ctx.output.get_bytes(PROMPTS_FILE))
@@ -339,18 +392,28 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             done = journal.load()
             if done:
                 log.info("resuming: %d of %d prompts already finished", len(done), len(prompts))
-            gen = Generator(spec, engine, throttle, journal, ctx)
-            results, failures = await gen.run(prompts, done)
-            return prompts, source_counts, results, failures, gen.stats
+            pending = {p.id: p for p in prompts if p.id not in done}
+            work = _share_work(spec, ctx, list(pending))
+            journal.on_commit = work.finished
+            try:
+                stats = await _generate(spec, ctx, engine, pending, work, journal, len(done), coordinator=True)
+                shared = work.shared_stats()  # what the helpers counted
+            finally:
+                work.retire()
+            return prompts, source_counts, stats, shared
         finally:
             await engine.aclose()
-            if throttle.leases is not None:
-                await throttle.leases.aclose()
 
     t0 = time.monotonic()
-    prompts, source_counts, results, failures, stats = asyncio.run(main())
+    prompts, source_counts, stats, shared = asyncio.run(main())
     elapsed = time.monotonic() - t0
+    results = journal.load()  # every participant's samples
+    dead = journal.load_dead()
+    failures = [dead[p.id] for p in prompts if p.id in dead and p.id not in results]
     records = [results[p.id] for p in prompts if p.id in results]  # prompt order, each id once
+    lost = len(prompts) - len(records) - len(failures)
+    if lost:  # cannot happen while the journal and the shared work keep their promises; never commit a gap
+        raise RuntimeError(f"{lost} prompts were neither generated nor dead-lettered")
     writer = ArtifactWriter(ctx.output)
     writer.put_bytes(PROMPTS_FILE, ctx.output.get_bytes(PROMPTS_FILE))  # same bytes; now hashed in the manifest
     with tempfile.TemporaryDirectory(prefix="eyas-gen-") as tmp:
@@ -363,9 +426,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             path.write_text("".join(json.dumps(f) + "\n" for f in failures))
             writer.put_file(path.name, path)
     completion_tokens = sum(t["completion_tokens"] for r in records for t in r["turns"])
-    metrics = {"completed": len(records), "failed": len(failures), "retried": stats["retried"],
+    new_tokens = stats["completion_tokens"] + shared.get("completion_tokens", 0)  # generated in this run
+    metrics = {"completed": len(records), "failed": len(failures),
+               "retried": stats["retried"] + shared.get("retried", 0),
                "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
-               "tokens_per_s": round(stats["completion_tokens"] / max(elapsed, 1e-9), 1)}
+               "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
+               "helped": shared.get("prompts", 0)}
     writer.commit(Manifest(
         kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
         inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
@@ -377,3 +443,30 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     log.info("generated %d conversations (%d failed), %d tokens at %.1f tok/s → %s", len(records), len(failures),
              completion_tokens, metrics["tokens_per_s"], ctx.output.uri)
     return StageResult(output_uri=ctx.output.uri, metrics=metrics)
+
+
+def assist(spec: Spec, ctx: StageContext) -> None:
+    """A helper task (service mode): join the job's shared work until nothing is left to claim. Its samples go
+    to the job's journal; the coordinator commits the artifact."""
+    work = SharedWork(ctx.settings.redis_url, ctx.job_id, ctx.attempt, ctx.settings.visibility_timeout_s)
+    try:
+        if work.open_count() == 0 or not ctx.output.exists(PROMPTS_FILE):
+            return  # all claimed or finished already
+        saved = json.loads(ctx.output.get_bytes(PROMPTS_FILE))
+        prompts = {p["id"]: Prompt(**p) for p in saved["prompts"]}
+        journal = Journal(ctx.output, flush_every=spec.checkpoint_every, on_commit=work.finished)
+
+        async def main() -> dict[str, int]:
+            engine = _make_engine(spec)
+            try:
+                return await _generate(spec, ctx, engine, prompts, work, journal, 0, coordinator=False)
+            finally:
+                await engine.aclose()
+
+        stats = asyncio.run(main())
+        work.add_stats({"prompts": stats["completed"] + stats["failed"], "retried": stats["retried"],
+                        "completion_tokens": stats["completion_tokens"]})
+        log.info("helped job %s: %d prompts generated, %d dead-lettered", ctx.job_id, stats["completed"],
+                 stats["failed"])
+    finally:
+        work.close()
