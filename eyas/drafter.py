@@ -135,11 +135,14 @@ class Rotary(nn.Module):
 
 class TTTCache:
     """Post-RoPE keys/values per step. Step 0 holds the context (causal); step j ≥ 1 holds one key per query
-    index (the diagonal). In training every step covers all T indices; in decoding steps ≥ 1 cover the last."""
+    index (the diagonal). In training every step covers all T indices; in decoding steps ≥ 1 cover the last.
+    `past`: step-0 keys/values of context rows processed by an earlier draft (decoding continues from them, as a
+    KV cache, and step 0 then runs on the new rows only)."""
 
-    def __init__(self):
+    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.past = past
 
 
 class Attention(nn.Module):
@@ -161,10 +164,14 @@ class Attention(nn.Module):
         q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, nh, Tq, hd]
+        if not cache.keys and cache.past is not None:  # step 0 after earlier rows: prepend their keys
+            k, v = torch.cat([cache.past[0], k], dim=2), torch.cat([cache.past[1], v], dim=2)  # [B, nh, P+Tq, hd]
         cache.keys.append(k)
         cache.values.append(v)
         if len(cache.keys) == 1:  # step 0: plain causal attention over the context
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            past = k.shape[2] - Tq
+            mask = None if past == 0 else torch.ones(Tq, k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
             out = self._ttt_attention(q, cache)
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.hd))

@@ -75,20 +75,25 @@ def _extend(out: list[int], new: list[int], stop: set[int], max_new_tokens: int)
         out.append(t)
 
 
-def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int) -> list[int]:
-    """K greedy draft tokens (target ids) after `context`; h0 = fc(g) for rows 0..n-2 [1, n-1, H]."""
+def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
+           past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
+    """K greedy draft tokens (target ids) after `context`; h0 = fc(g) for rows 0..n-2 [1, n-1, H]. `past` holds
+    the step-0 keys/values of the rows an earlier draft processed (every row stays valid: each pairs a context
+    token with the target's own state), so only the new rows run; returns the drafts and the extended `past`."""
     n = len(context)
-    ids = torch.tensor([context[1:]])  # x_{t+1} beside g_t
-    pos = torch.arange(n - 1)[None]
-    cache = TTTCache()
-    hidden = drafter.step(ids, h0, pos, cache)[:, -1:]  # pre-norm state of the last row
+    done = 0 if past is None else past[0].shape[2]
+    ids = torch.tensor([context[1 + done:]])  # x_{t+1} beside g_t, for the rows not processed yet
+    pos = torch.arange(done, n - 1)[None]
+    cache = TTTCache(past)
+    hidden = drafter.step(ids, h0[:, done:], pos, cache)[:, -1:]  # pre-norm state of the last row
+    past = (cache.keys[0], cache.values[0])
     tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))  # [1, 1]
     out = [int(tok)]
     for j in range(1, k):
         hidden = drafter.step(tok, hidden, pos[:, -1:] + j, cache)
         tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
         out.append(int(tok))
-    return out
+    return out, past
 
 
 @torch.inference_mode()
@@ -110,8 +115,9 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
         context = prompt + [int(preds[-1])]
         _extend(res.tokens, context[-1:], stop, max_new_tokens)
         h0 = drafter.project(aux[None])  # fc(g) of every row the target has processed, [1, n-1, H]
+        past = None  # the drafter's step-0 keys/values so far
         while not _finished(res.tokens, stop, max_new_tokens):
-            drafts = _draft(drafter, h0, context, k)
+            drafts, past = _draft(drafter, h0, context, k, past)
             preds, aux = forward(context[-1:] + drafts)
             a = 0
             while a < k and drafts[a] == int(preds[a]):
@@ -130,17 +136,26 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
 
 
 @torch.inference_mode()
-def greedy(target: Target, prompt: list[int], max_new_tokens: int, stop: set[int]) -> Decoded:
-    """The target's plain greedy decoding (transformers `generate`), the reference the output must equal."""
-    t0 = time.perf_counter()
-    ids = torch.tensor([prompt])
-    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, temperature=None, top_p=None, top_k=None,
-                                eos_token_id=sorted(stop), pad_token_id=sorted(stop)[0])
-    res = Decoded(tokens=[])
-    _extend(res.tokens, out[0, len(prompt):].tolist(), stop, max_new_tokens)
-    res.seconds = time.perf_counter() - t0
-    return res
+def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
+           batch: int = 16) -> list[list[int]]:
+    """The target's plain greedy decoding (transformers `generate`), the reference the output must equal.
+    Prompts go in left-padded batches: on a CPU each forward streams every weight, so a batch of 16 costs about
+    what one prompt does."""
+    pad = sorted(stop)[0]
+    outs: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                    do_sample=False, temperature=None, top_p=None, top_k=None,
+                                    eos_token_id=sorted(stop), pad_token_id=pad)
+        for row in out[:, width:].tolist():
+            tokens: list[int] = []
+            _extend(tokens, row, stop, max_new_tokens)
+            outs.append(tokens)
+    return outs
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -154,19 +169,18 @@ def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prom
              max_new_tokens: int, progress=None) -> dict:
     """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality."""
     stop = stop_ids(target)
-    drafts, per_pos, spec_tokens, spec_s, greedy_tokens, greedy_s, forwards = 0, [0] * k, 0, 0.0, 0, 0.0, 0
+    drafts, per_pos, spec_tokens, spec_s, forwards = 0, [0] * k, 0, 0.0, 0
     records = []
-    for i, p in enumerate(tqdm(prompts, desc="evaluate", unit="prompt")):
+    references = greedy(target, [p.ids for p in prompts], max_new_tokens, stop)
+    for i, (p, ref) in enumerate(zip(tqdm(prompts, desc="evaluate", unit="prompt"), references, strict=True)):
         spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop)
-        ref = greedy(target, p.ids, max_new_tokens, stop)
-        diff = first_difference(spec.tokens, ref.tokens)
+        diff = first_difference(spec.tokens, ref)
         records.append({"id": p.id, "prompt_tokens": len(p.ids), "tokens": len(spec.tokens), "drafts": spec.drafts,
                         "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos,
                         "matches_greedy": diff is None, "first_difference": diff, "output": spec.tokens})
         drafts += spec.drafts
         per_pos = [x + y for x, y in zip(per_pos, spec.accepted_per_pos, strict=True)]
         spec_tokens, spec_s, forwards = spec_tokens + len(spec.tokens), spec_s + spec.seconds, forwards + spec.target_forwards
-        greedy_tokens, greedy_s = greedy_tokens + len(ref.tokens), greedy_s + ref.seconds
         if progress is not None:
             progress(i + 1, len(prompts))
     accepted = sum(per_pos)
@@ -178,7 +192,6 @@ def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prom
         "per_position_acceptance": [x / drafts if drafts else None for x in per_pos],
         "tokens": spec_tokens, "target_forwards": forwards,
         "matches_greedy": not mismatches, "greedy_mismatches": mismatches,
-        "speculative_tok_s": spec_tokens / spec_s if spec_s else None,
-        "greedy_tok_s": greedy_tokens / greedy_s if greedy_s else None,
+        "speculative_tok_s": spec_tokens / spec_s if spec_s else None,  # in-process, one stream (not serving)
         "per_prompt": records,
     }

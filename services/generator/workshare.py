@@ -91,7 +91,8 @@ class SharedWork:
         import redis
 
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
-        base = f"eyas:work:{job_id}:{round_}"
+        self.job_prefix = f"eyas:work:{job_id}:"
+        base = f"{self.job_prefix}{round_}"
         self.todo, self.claims, self.done, self.stats = (f"{base}:todo", f"{base}:claims", f"{base}:done",
                                                           f"{base}:stats")
         self.lease_s = lease_s
@@ -103,10 +104,12 @@ class SharedWork:
         self._renewer: threading.Thread | None = None
 
     def publish(self, ids: list[str], ttl_s: int = 7 * 86400) -> None:
-        """The coordinator: make `ids` the round's work (replacing anything there)."""
+        """The coordinator: make `ids` the round's work (replacing anything there). Earlier rounds' work goes, so
+        helpers still on a dead coordinator's round stop after their current prompts."""
         keys = (self.todo, self.claims, self.done, self.stats)
+        stale = [k for k in self.r.scan_iter(match=self.job_prefix + "*", count=1000) if k not in keys]
         with self.r.pipeline() as p:
-            p.delete(*keys)
+            p.delete(*keys, *stale)
             if ids:
                 p.rpush(self.todo, *ids)
             for k in keys:
