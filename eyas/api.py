@@ -139,6 +139,15 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
     rejected = Counter("eyas_jobs_rejected", "job submissions refused as invalid", ["stage"], registry=registry)
 
     @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        """Job specs are small; a body over max_request_bytes is refused before it is read (413)."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_request_bytes):
+            return JSONResponse(status_code=413, content={"detail": [_problem(
+                "body", f"<{length} bytes>", f"request bodies are limited to {settings.max_request_bytes} bytes")]})
+        return await call_next(request)
+
+    @app.middleware("http")
     async def time_requests(request: Request, call_next):
         t0 = time.perf_counter()
         response = await call_next(request)

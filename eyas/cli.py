@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGE_COMMANDS:
         st = get_stage(stage)
         doc = (sys.modules[st.run.__module__].__doc__ or "").strip()
-        p = sub.add_parser(stage, help=doc.splitlines()[0] if doc else stage, description=doc,
+        first = doc.split("\n\n")[0].split(". ")[0].replace("\n", " ").rstrip(".") if doc else stage
+        p = sub.add_parser(stage, help=first, description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_spec_arguments(p, st.spec_cls)
         p.add_argument("--out", type=Path, help="write the artifact into this directory (default: the workdir store)")

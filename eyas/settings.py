@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     # maximum per endpoint) allows; more workers, more in flight, up to that maximum.
     worker_max_in_flight: int = Field(256, ge=1)
 
-    api_key: SecretStr | None = None  # bearer key for every API when set
+    api_key: SecretStr | None = None
+    max_request_bytes: int = Field(1 << 20, ge=1024)  # API request bodies (job specs; data goes by URI)  # bearer key for every API when set
 
     @property
     def store_root(self) -> Path:

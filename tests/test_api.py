@@ -183,6 +183,13 @@ def test_api_key(stage: str, service_settings: ServiceEnv, prompts_file: Path):
         assert "security" not in client.get("/openapi.json").json()["paths"]["/v1/jobs"]["post"]
 
 
+def test_oversized_body_is_refused_unread(service_client: TestClient, service_settings: ServiceEnv):
+    body = json.dumps({"prompts": "x", "model": "m" * (2 << 20)})
+    r = service_client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limited to 1048576 bytes" in r.json()["detail"][0]["message"]
+    _nothing_written(service_settings.settings)
+
+
 def test_unknown_query_parameters_are_named(service_client: TestClient):
     r = service_client.get("/v1/jobs?stat=failed")
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "stat"

@@ -75,6 +75,18 @@ def test_malformed_prompt_files_name_the_problem(tmp_path, content, needle):
     assert needle in str(e.value)
 
 
+def test_oversized_prompt_file_refused_at_submit(tmp_path, monkeypatch):
+    from eyas.pipeline import SpecError, validate_spec
+    from services.generator import dataset
+
+    monkeypatch.setattr(dataset, "MAX_PROMPT_FILE_BYTES", 1 << 20)
+    f = tmp_path / "big.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "x"}]}\n' * 30_000)  # 1.4 MiB
+    with pytest.raises(SpecError) as e:
+        validate_spec("generate", {"prompts": str(f)})
+    assert e.value.field == "prompts" and "over 1 MiB" in e.value.message
+
+
 def test_binary_prompt_file_refused(tmp_path):
     f = tmp_path / "bin.jsonl"
     f.write_bytes(b"\xff\xfe\x00garbage")
