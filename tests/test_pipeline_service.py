@@ -11,6 +11,7 @@ import pytest
 from eyas.manifest import read_manifest
 from eyas.store import S3Store, open_artifact
 from tests.conftest import wait_for_job
+from tests.servers import S3_SECRET
 from tests.test_api import write_prompts
 
 pytestmark = pytest.mark.vllm
@@ -66,6 +67,8 @@ def test_one_post_runs_the_pipeline_across_four_services(service_settings, vllm_
     assert report["in_process"]["matches_greedy"] is True  # speculation reproduced the target's greedy output
     assert report["wiring"]["ok"] and {e.split(":")[0] for e in report["wiring"]["served"]} == {"vllm", "sglang"}
     assert {"report.html", "acceptance.png", "loss.png", "accuracy.png"} <= set(manifest.files)
+    for proc in [*apis.values(), *workers.values()]:  # no secret in any log
+        assert S3_SECRET not in proc.tail(1 << 22)
     # every stage counted once as succeeded by its own service
     for stage, client in clients.items():
         assert f'eyas_jobs_succeeded_total{{stage="{stage}"}} 1.0' in client.get("/metrics").text
