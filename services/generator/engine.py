@@ -197,30 +197,18 @@ class InProcessEngine:
         return out
 
     def generate_texts(self, texts: list[str], params: SamplingParams) -> list[Completion]:
-        torch = self.torch
         t0 = time.monotonic()
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        gen_kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tok.pad_token_id,
-                                      "eos_token_id": self.tok.eos_token_id}
-        sampling = params.temperature > 0
-        if sampling:
-            gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=None)
-        else:
-            gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        with self._lock, torch.inference_mode():
-            if sampling and params.seed is not None:
-                torch.manual_seed(params.seed)
-            out = self.target.model.generate(**enc, **gen_kwargs)
-        new = out[:, enc["input_ids"].shape[1]:]
-        results = []
+        with self._lock, self.torch.inference_mode():
+            rows = self._decode(enc["input_ids"], enc["attention_mask"], params)
         latency = time.monotonic() - t0
-        for row, attn in zip(new, enc["attention_mask"], strict=True):
-            ids = row.tolist()
+        results = []
+        for ids, attn in zip(rows, enc["attention_mask"], strict=True):
             stop = ids.index(self.tok.eos_token_id) if self.tok.eos_token_id in ids else None
-            kept = ids[:stop] if stop is not None else [t for t in ids if t != self.tok.pad_token_id]
+            kept = ids[:stop] if stop is not None else ids
             results.append(Completion(
                 content=self.tok.decode(kept, skip_special_tokens=True),
                 reasoning_content=None,
@@ -230,6 +218,48 @@ class InProcessEngine:
                 latency_s=latency,
             ))
         return results
+
+    def _decode(self, ids, mask, params: SamplingParams) -> list[list[int]]:
+        """Greedy or sampled decoding (temperature, top-p) with a KV cache that drops each row from the batch once
+        it has ended: a batch costs the tokens it generates, not rows × its longest row as `generate` does (on
+        this CPU, 2.5x faster for prompt synthesis, whose requests are mostly far shorter than max_tokens)."""
+        from transformers import DynamicCache
+
+        torch, model, eos = self.torch, self.target.model, self.tok.eos_token_id
+        rng = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        out: list[list[int]] = [[] for _ in range(len(ids))]
+        alive = torch.arange(len(ids))  # batch row → request
+        cache = DynamicCache(config=model.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]  # [rows, V]: the last position only
+        last = positions[:, -1]
+        for step in range(params.max_tokens):
+            nxt = self._pick(logits, params, rng)  # [rows]
+            for r, t in zip(alive.tolist(), nxt.tolist(), strict=True):
+                out[r].append(t)
+            keep = (nxt != eos).nonzero().squeeze(1)
+            if step == params.max_tokens - 1 or keep.numel() == 0:
+                break
+            if keep.numel() < alive.numel():  # rows that ended leave the batch and the cache
+                alive, nxt, mask, last = alive[keep], nxt[keep], mask[keep], last[keep]
+                cache.batch_select_indices(keep)
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            last = last + 1
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+        return out
+
+    def _pick(self, logits, params: SamplingParams, rng):
+        torch = self.torch
+        if params.temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        if params.top_p < 1.0:  # nucleus: the most likely tokens until their mass reaches top_p
+            p, order = probs.sort(dim=-1, descending=True)
+            p[(p.cumsum(-1) - p) >= params.top_p] = 0.0
+            probs = torch.zeros_like(probs).scatter(-1, order, p)
+        return torch.multinomial(probs, 1, generator=rng).squeeze(1)
 
     async def aclose(self) -> None:
         if self._runner is not None:
