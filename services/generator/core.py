@@ -400,12 +400,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 shared = work.shared_stats()  # what the helpers counted
             finally:
                 work.retire()
-            return prompts, source_counts, stats, shared
+            return prompts, source_counts, stats, shared, len(pending)
         finally:
             await engine.aclose()
 
     t0 = time.monotonic()
-    prompts, source_counts, stats, shared = asyncio.run(main())
+    prompts, source_counts, stats, shared, pending = asyncio.run(main())
     elapsed = time.monotonic() - t0
     results = journal.load()  # every participant's samples
     dead = journal.load_dead()
@@ -431,7 +431,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                "retried": stats["retried"] + shared.get("retried", 0),
                "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
                "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
-               "helped": shared.get("prompts", 0)}
+               "helped": pending - stats["completed"] - stats["failed"]}  # prompts other workers generated
     writer.commit(Manifest(
         kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
         inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
@@ -464,8 +464,7 @@ def assist(spec: Spec, ctx: StageContext) -> None:
                 await engine.aclose()
 
         stats = asyncio.run(main())
-        work.add_stats({"prompts": stats["completed"] + stats["failed"], "retried": stats["retried"],
-                        "completion_tokens": stats["completion_tokens"]})
+        work.add_stats({"retried": stats["retried"], "completion_tokens": stats["completion_tokens"]})
         log.info("helped job %s: %d prompts generated, %d dead-lettered", ctx.job_id, stats["completed"],
                  stats["failed"])
     finally:
