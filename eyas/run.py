@@ -59,4 +59,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
           f"(K = {report.metrics.get('k')}, in {time.monotonic() - t0:.0f} s)")
     for name, uri in sorted(report.artifacts.items()):
         print(f"  {name}: {uri}")
+    trained = next(j for j in jobs if j.stage == "train")
+    print("drafter exports (vLLM/SGLang: eagle; speculators):")
+    for name, uri in sorted(trained.artifacts.items()):
+        if name != "output":
+            print(f"  {name}: {uri}")
     return 0

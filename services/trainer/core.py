@@ -153,4 +153,6 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     ))
     ctx.output.store.delete_prefix(ctx.output.key(CHECKPOINTS))
     log.info("drafter: %d steps, val acc %s → %s", state["step"], metrics.get("val_acc"), ctx.output.uri)
-    return StageResult(output_uri=ctx.output.uri, metrics=manifest.extra["metrics"])
+    exports = sorted({n.split("/")[0] for n in manifest.files if n.endswith("/config.json")})  # eagle, speculators
+    return StageResult(output_uri=ctx.output.uri, metrics=manifest.extra["metrics"],
+                       artifacts={name: f"{ctx.output.uri}/{name}" for name in exports})
