@@ -1,0 +1,30 @@
+"""`eyas run` — the README's main command — end to end on the embedded default, shrunk to a smoke size: prompts
+synthesized from the bundled target, generate → extract → train → evaluate, and a summary that says where the
+report and the drafter exports are."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "run", "--workdir", str(tmp_path / "w"), "--num-prompts", "4",
+         "--max-tokens", "24", "--batch", "4", "--train-steps", "3", "--eval-prompts", "1"],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for stage in ("generate", "extract", "train", "evaluate"):
+        assert re.search(rf"^  {stage}\s+succeeded\s+file://", out, re.M), out
+    tau = float(re.search(r"acceptance length τ = ([0-9.]+)", out)[1])
+    assert tau >= 1.0
+    paths = {name: Path(unquote(urlparse(uri).path)) for name, uri in re.findall(r"^  (\w+): (file://\S+)$", out, re.M)}
+    report = json.loads(paths["report_json"].read_text())
+    assert report["acceptance_length"] == tau and report["prompts"]["source"] == "bundled:mt_bench"
+    assert (paths["eagle"] / "config.json").is_file() and (paths["speculators"] / "config.json").is_file()
+    assert str(tmp_path / "w") in str(paths["report_json"])  # --workdir holds everything
+    assert "synthesized 4 prompts" in proc.stderr  # the default trains on prompts synthesized from the target
