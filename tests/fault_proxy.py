@@ -132,6 +132,10 @@ class FaultProxy:
     def __exit__(self, *exc):
         async def stop():
             self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in handlers:  # connections still open (keep-alive clients): end them, awaited
+                t.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             await self._client.aclose()
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
