@@ -202,11 +202,11 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
                                       for k in unknown])
 
     # The key is documented (OpenAPI security) and checked only when the service has one.
-    v1 = [Depends(known_query)] + ([Depends(authorized)] if settings.api_key is not None else [])
-    auth = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}
+    v1 = ([Depends(authorized)] if settings.api_key is not None else []) + [Depends(known_query)]
+    errors = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}
     if settings.api_key is not None:
-        auth |= {401: {"model": Message, "description": "no API key"},
-                 403: {"model": Message, "description": "wrong API key"}}
+        errors |= {401: {"model": Message, "description": "no API key"},
+                   403: {"model": Message, "description": "wrong API key"}}
     missing = {404: {"model": Problems, "description": "no such job"}}
 
     def get_job(job_id: str) -> JobRecord:
@@ -216,7 +216,7 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
             raise HTTPException(404, [_problem("id", job_id, "no such job")]) from None
 
     @app.post("/v1/jobs", status_code=202, response_model=Submitted, dependencies=v1,
-              responses={**auth, 503: {"model": Message,
+              responses={**errors, 503: {"model": Message,
                                        "description": "the queue could not take the job (the job record says so)"}})
     def submit_job(spec: Annotated[spec_cls, Body()], response: Response) -> Submitted:
         job_id = new_job_id(stage)
@@ -234,17 +234,17 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
         response.headers["Location"] = f"/v1/jobs/{job.id}"
         return Submitted(id=job.id, status=job.state, links=_links(job))
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView, dependencies=v1, responses={**auth, **missing})
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, dependencies=v1, responses={**errors, **missing})
     def read_job(job_id: JobId) -> JobView:
         return _view(get_job(job_id))
 
-    @app.get("/v1/jobs", response_model=list[JobView], dependencies=v1, responses=auth)
+    @app.get("/v1/jobs", response_model=list[JobView], dependencies=v1, responses=errors)
     def list_jobs(state: Annotated[State | None, Query()] = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobView]:
         return [_view(j) for j in runtime.jobs.list(stage=stage, limit=limit, state=state)]
 
     @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobView, dependencies=v1,
-              responses={**auth, **missing, 409: {"model": Problems, "description": "the job has already ended"}})
+              responses={**errors, **missing, 409: {"model": Problems, "description": "the job has already ended"}})
     def cancel_job(job_id: JobId) -> JobView:
         job = get_job(job_id)
         if job.state == "queued":
