@@ -82,6 +82,11 @@ def submit(stage_name: str, spec: dict[str, Any], jobs: JobStore, dispatch: Disp
     return job
 
 
+def job_output(store: ObjectStore, job: JobRecord) -> Artifact:
+    """Where a job's artifact lives: {kind}/{job id}, the same for every run of the job and for its helpers."""
+    return Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
+
+
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
             output: Artifact | None = None, recruit: Recruit | None = None) -> JobRecord:
     job = jobs.get(job_id)
@@ -92,7 +97,7 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
         return transition(jobs, job_id, "cancelled")
     stage = get_stage(job.stage)
     job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
-    output = output or Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
+    output = output or job_output(store, job)
     ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, output=output,
                        attempt=job.attempts, recruit=None if recruit is None else (
                            lambda n: recruit(job.stage, job_id, job.attempts, n)))
@@ -139,7 +144,7 @@ def assist(job_id: str, attempt: int, jobs: JobStore, store: ObjectStore, settin
         log.info("job %s: nothing to help with (%s, attempt %d)", job_id, job.state, job.attempts)
         return
     ctx = StageContext(job_id=job_id, settings=settings, store=store, jobs=jobs, attempt=attempt,
-                       output=Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id)))
+                       output=job_output(store, job))
     try:
         stage.assist(stage.spec_cls.model_validate(job.spec), ctx)
     except Exception:

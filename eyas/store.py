@@ -192,8 +192,10 @@ class S3Store:
     def delete_prefix(self, prefix: str) -> None:
         from minio.deleteobjects import DeleteObject
 
+        keys = self.list(prefix)  # retried on its own; the removal below is retried without listing again
+
         def delete() -> None:
-            errors = self.client.remove_objects(self.bucket, [DeleteObject(k) for k in self.list(prefix)])
+            errors = self.client.remove_objects(self.bucket, [DeleteObject(k) for k in keys])
             for err in errors:
                 raise RuntimeError(f"could not delete {err.name}: {err.message}")
 
