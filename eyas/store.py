@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from eyas.keys import safe_key
-from eyas.settings import Settings, get_settings
+from eyas.settings import Settings
 
 log = logging.getLogger(__name__)
 _RETRY_S3_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"})
@@ -244,10 +244,13 @@ class Artifact:
 
 
 def open_artifact(uri: str, settings: Settings | None = None) -> Artifact:
-    """Resolve an artifact URI (s3://bucket/prefix, file://dir or a plain directory path)."""
+    """Resolve an artifact URI (s3://bucket/prefix, file://dir or a plain directory path); an s3:// URI needs the
+    `settings` that say how to reach S3 (the caller's own: a stage's come with its context)."""
     if uri.startswith("s3://"):
+        if settings is None:
+            raise ValueError(f"{uri}: opening an s3:// artifact needs the S3 settings")
         bucket, _, prefix = uri[len("s3://"):].partition("/")
-        return Artifact(S3Store(settings or get_settings(), bucket=bucket), prefix)
+        return Artifact(S3Store(settings, bucket=bucket), prefix)
     if uri.startswith("file://"):
         from urllib.parse import unquote, urlparse
 

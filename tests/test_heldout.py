@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.manifest import ArtifactWriter, Manifest
+from eyas.settings import Settings
 from eyas.store import Artifact, LocalStore
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.generator.dataset import bundled_prompt_file, load_prompts
@@ -21,9 +22,9 @@ def test_refuses_trained_on_evaluation_prompts(tmp_path):
     mt = load_prompts(bundled_prompt_file("mt_bench"))
     feats = _features_from(tmp_path, [(mt[2].user_turns[0], "an answer"), ("Unrelated question?", "ok")])
     with pytest.raises(TrainedOnEvalPrompts, match="1 of 5 evaluation prompts were trained on"):
-        check_held_out("bundled:mt_bench", 5, feats)
+        check_held_out("bundled:mt_bench", 5, feats, Settings())
 
 
 def test_accepts_held_out_prompts(tmp_path):
     feats = _features_from(tmp_path, [("Tell me about lighthouses.", "They guide ships.")])
-    assert check_held_out("bundled:mt_bench", 5, feats) == 5
+    assert check_held_out("bundled:mt_bench", 5, feats, Settings()) == 5

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
+from eyas.settings import Settings
 from eyas.target import BUNDLED, load_tokenizer
 from services.generator.core import Spec, gather_prompts
 from services.generator.dataset import bundled_prompt_file, load_prompts
 from services.generator.dedup import NearDupIndex
-from services.generator.engine import InProcessEngine
+from services.generator.engine import InProcessEngine, SamplingParams
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 
 
@@ -39,6 +40,27 @@ def test_synthesis_is_reproducible_distinct_and_ends_at_end_of_turn(engine):
     assert [p.user_turns[0] for p in c] != texts
 
 
+def test_follow_ups_continue_the_conversation_reproducibly(engine):
+    tok = engine.tok
+    answers = SamplingParams(max_tokens=48)  # greedy, as the generator answers by default
+
+    def run(seed):
+        return asyncio.run(synthesize_prompts(engine, tok, 3, seed=seed, turns=2, answer_sampling=answers))
+
+    a, counts = run(7)
+    b, _ = run(7)
+    assert [p.user_turns for p in a] == [p.user_turns for p in b]  # same seed → same conversations
+    grown = [p for p in a if len(p.user_turns) == 2]
+    assert counts["follow_ups_kept"] == len(grown) >= 2  # 135M closes most follow-ups; a rejected one is counted
+    assert sum(v for k, v in counts.items() if k.startswith("follow_up_")) == 3 - len(grown)
+    for p in grown:
+        assert p.user_turns[1].strip() and p.user_turns[1] != p.user_turns[0]
+        assert p.meta["answer_sampling"]["max_tokens"] == 48
+    # the follow-up was sampled after the answer: the prefix holds the first turn and an assistant turn
+    prefix = pre_query_text(tok, None, [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}])
+    assert prefix.endswith("<|im_start|>user\n") and prefix.index("Hi?") < prefix.index("Hello.")
+
+
 def test_near_duplicates_are_found():
     idx = NearDupIndex(["How do I bake sourdough bread at home with a simple starter?"])
     assert idx.find("how do i bake sourdough bread at home, with a simple starter") is not None  # exact after normalizing
@@ -53,7 +75,7 @@ def test_held_out_guard_drops_evaluation_prompts(tmp_path, engine):
             {"id": "near", "messages": [{"role": "user", "content": mt[1].user_turns[0] + " Thanks!"}]},
             {"id": "fine", "messages": [{"role": "user", "content": "Tell me about lighthouses."}]}]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts, counts = asyncio.run(gather_prompts(Spec(prompts=str(f)), engine, engine.tok))
+    prompts, counts = asyncio.run(gather_prompts(Spec(prompts=str(f)), engine, engine.tok, Settings()))
     assert [p.id for p in prompts] == ["train:fine"]
     assert counts["held_out_dropped"] == 2
 
@@ -66,7 +88,7 @@ def test_mix_keeps_weights_and_sources(tmp_path, engine):
                              + "\n" for i in range(20)))
         files.append(str(f))
     spec = Spec(mix=[{"prompts": files[0], "weight": 3}, {"prompts": files[1], "weight": 1}], limit=12)
-    prompts, counts = asyncio.run(gather_prompts(spec, engine, engine.tok))
+    prompts, counts = asyncio.run(gather_prompts(spec, engine, engine.tok, Settings()))
     by_source = [p.source for p in prompts]
     assert by_source.count("a") == 9 and by_source.count("b") == 3
     assert counts[f"source:{files[0]}"] == 9

@@ -24,6 +24,7 @@ from eyas.drafter import Drafter, load_drafter
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, fetch_verified, read_manifest
+from eyas.settings import Settings
 from eyas.stages import StageContext, StageResult, StageSpec
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
@@ -81,8 +82,8 @@ def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, reader: Fea
     return (correct / count.clamp(min=1)).tolist(), len(samples)
 
 
-def _fetch_drafter(uri: str, dest: Path) -> Manifest:
-    art = open_artifact(uri)
+def _fetch_drafter(uri: str, dest: Path, settings: Settings) -> Manifest:
+    art = open_artifact(uri, settings)
     manifest = read_manifest(art, kind="drafter")
     for name in manifest.files:
         if name.split("/", 1)[0] in EXPORTS or name == "history.json":
@@ -97,7 +98,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-") as tmp:
         local = Path(tmp)
-        manifest = _fetch_drafter(spec.drafter, local)
+        manifest = _fetch_drafter(spec.drafter, local, ctx.settings)
         if not manifest.layout:
             raise ValueError(f"drafter {spec.drafter}: manifest carries no layout")
         layout = Layout.from_dict(manifest.layout)
@@ -107,13 +108,13 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         history = json.loads((local / "history.json").read_text()) if (local / "history.json").is_file() else None
 
         trained_on = manifest.inputs[0] if manifest.inputs else None  # the drafter's training features
-        checked = check_held_out(spec.prompts, spec.num_prompts, trained_on)
+        checked = check_held_out(spec.prompts, spec.num_prompts, trained_on, ctx.settings)
         ctx.metrics.update(held_out_prompts_checked=checked)
         features_uri = spec.features or trained_on
         steps = max(spec.k, int(manifest.extra.get("ttt_steps", spec.k)))
         accuracy, acc_samples = [], 0
         if features_uri:
-            reader = FeatureReader(open_artifact(features_uri), expected=layout)
+            reader = FeatureReader(open_artifact(features_uri, ctx.settings), expected=layout)
             val_every = None if spec.features else int(manifest.extra.get("val_every", 10))
             accuracy, acc_samples = teacher_forced_accuracy(
                 drafter, target.model.get_output_embeddings().weight.detach(), reader, val_every, steps,
@@ -133,7 +134,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 if run_ in live:  # token ids are compared here, not stored
                     live[run_]["matches_in_process_greedy"] = live[run_].pop("outputs") == greedy_out
 
-    drafter_uri = open_artifact(spec.drafter).uri
+    drafter_uri = open_artifact(spec.drafter, ctx.settings).uri
     report = {
         "target": spec.target,
         "layout": layout.to_dict(),

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from eyas.manifest import ArtifactWriter, Manifest
-from eyas.store import Artifact
+from eyas.settings import Settings
+from eyas.store import Artifact, open_artifact
 from eyas.stages import StageContext, StageResult, StageSpec
 from eyas.target import BUNDLED, load_tokenizer, tokenizer_hash
 from services.generator.dataset import Prompt, PromptFileError, bundled_prompt_file, load_prompts
@@ -74,6 +75,8 @@ class Spec(StageSpec):
     prompts: str | None = Field(None, description="prompt file (messages-JSONL, ShareGPT, MT-bench), bundled:sharegpt")
     synthesize: int = Field(0, ge=0, le=1_000_000, description="also synthesize N prompts from the target (Magpie)")
     synth_seed: int = Field(0, description="seed for prompt synthesis (reproducible)")
+    synth_turns: int = Field(1, ge=1, le=8, description="user turns per synthesized prompt: each follow-up is "
+                             "sampled after the target's answer to the turn before (Magpie multi-turn)")
     mix: list[MixSource] = Field([], description="weighted sources instead of prompts/synthesize; needs limit")
     held_out: str | None = Field("bundled:mt_bench", description="evaluation prompts kept out of training data")
     endpoint: str | None = Field(None, description="OpenAI-compatible base URL; none = in-process target")
@@ -278,14 +281,12 @@ class Generator:
         bar.close()
 
 
-def _load_file(uri: str) -> list[Prompt]:
+def _load_file(uri: str, settings: Settings) -> list[Prompt]:
     if uri.startswith("s3://"):
-        from eyas.store import open_artifact
-
         bucket_uri, _, name = uri.rpartition("/")
         with tempfile.TemporaryDirectory(prefix="eyas-prompts-") as tmp:
             # keep the object's file name: prompt ids derive from it and must not change between runs
-            open_artifact(bucket_uri).get_file(name, Path(tmp) / name)
+            open_artifact(bucket_uri, settings).get_file(name, Path(tmp) / name)
             return load_prompts(Path(tmp) / name)
     return load_prompts(resolve_prompt_file(uri))
 
@@ -299,9 +300,10 @@ def quotas(weights: list[float], total: int) -> list[int]:
     return out
 
 
-async def gather_prompts(spec: Spec, engine: Engine, tokenizer) -> tuple[list[Prompt], dict[str, int]]:
+async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
+                         settings: Settings) -> tuple[list[Prompt], dict[str, int]]:
     """The job's prompts from every source, with held-out (evaluation) prompts dropped and counted."""
-    held = [t for p in _load_file(spec.held_out) for t in p.user_turns] if spec.held_out else []
+    held = [t for p in _load_file(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
     guard = NearDupIndex(held)
     counts: dict[str, int] = {"held_out_dropped": 0}
     if spec.mix:
@@ -314,12 +316,13 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer) -> tuple[list[Pr
     for source, quota in sources:
         if source == "synth":
             got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, seed=spec.synth_seed,
-                                                         held_out=held)
+                                                         held_out=held, turns=spec.synth_turns,
+                                                         answer_sampling=spec.sampling)
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]
         else:
             got = []
-            for p in _load_file(source):
+            for p in _load_file(source, settings):
                 if any(guard.find(t) is not None for t in p.user_turns):
                     counts["held_out_dropped"] += 1
                     continue
@@ -386,7 +389,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 saved = json.loads(ctx.output.get_bytes(PROMPTS_FILE))
                 prompts, source_counts = [Prompt(**p) for p in saved["prompts"]], saved["counts"]
             else:
-                prompts, source_counts = await gather_prompts(spec, engine, tokenizer)
+                prompts, source_counts = await gather_prompts(spec, engine, tokenizer, ctx.settings)
                 ctx.output.put_bytes(PROMPTS_FILE, json.dumps(
                     {"prompts": [dataclasses.asdict(p) for p in prompts], "counts": source_counts}).encode())
             done = journal.load()

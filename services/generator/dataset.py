@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.manifest import Manifest, fetch_verified, read_manifest
+from eyas.settings import Settings
 from eyas.store import open_artifact
 
 MAX_PROMPT_FILE_BYTES = 512 << 20
@@ -143,11 +144,12 @@ def bundled_prompt_file(name: str) -> Path:
     return path
 
 
-def read_conversations(uri: str, expect_tokenizer_hash: str | None = None) -> tuple[list[dict], Manifest]:
+def read_conversations(uri: str, settings: Settings,
+                       expect_tokenizer_hash: str | None = None) -> tuple[list[dict], Manifest]:
     """All conversation records of a dataset artifact, after checking manifest, sha256 and tokenizer."""
     import tempfile
 
-    art = open_artifact(uri)
+    art = open_artifact(uri, settings)
     manifest = read_manifest(art, kind="dataset")
     got = manifest.extra.get("tokenizer_hash")
     if expect_tokenizer_hash and got and got != expect_tokenizer_hash:

@@ -3,11 +3,16 @@ chat template and sample; an aligned chat model writes a realistic user request 
 
 Kept: requests that ended at the end-of-turn token, pass the length and language filters, and are not near
 duplicates of each other (or of held-out evaluation prompts). Sampling settings are recorded with each prompt.
+
+Multi-turn (optional, Magpie's follow-ups): the target answers the request as the generator will (its sampling
+settings), then samples the next user turn from the template's user prefix after that answer. The answers are
+not kept; the generator regenerates every assistant turn.
 """
 from __future__ import annotations
 
 import logging
 
+from eyas.render import render_prompt_text
 from services.generator.dataset import Prompt
 from services.generator.dedup import NearDupIndex
 from services.generator.engine import Engine, SamplingParams
@@ -16,9 +21,10 @@ log = logging.getLogger(__name__)
 _SENTINEL = "\x00EYAS-USER-TURN\x00"
 
 
-def pre_query_text(tokenizer, system: str | None = None) -> str:
-    """The chat template rendered up to where a user's words begin."""
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+def pre_query_text(tokenizer, system: str | None = None, history: list[dict] = ()) -> str:
+    """The chat template rendered up to where a user's words begin (after `history`, a conversation so far)."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + list(history) + [
+        {"role": "user", "content": _SENTINEL}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     cut = text.find(_SENTINEL)
     if cut < 0:
@@ -39,9 +45,10 @@ def acceptable(text: str, min_chars: int = 12, max_chars: int = 2000, min_ascii:
 
 async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
                              sampling: SamplingParams | None = None, max_rounds: int = 4,
-                             system: str | None = None) -> tuple[list[Prompt], dict[str, int]]:
-    """Sample until `n` distinct acceptable requests are kept (or `max_rounds` rounds ran). Returns the prompts
-    and the counts of what was dropped and why."""
+                             system: str | None = None, turns: int = 1,
+                             answer_sampling: SamplingParams | None = None) -> tuple[list[Prompt], dict[str, int]]:
+    """Sample until `n` distinct acceptable requests are kept (or `max_rounds` rounds ran), then up to `turns - 1`
+    follow-ups for each. Returns the prompts and the counts of what was dropped and why."""
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
     prefix = pre_query_text(tokenizer, system)
     seen = NearDupIndex()
@@ -78,5 +85,46 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
             if len(kept) == n:
                 break
     counts["kept"] = len(kept)
+    if turns > 1:
+        counts.update(await _add_follow_ups(engine, tokenizer, kept, turns, sampling, answer_sampling or
+                                            SamplingParams(max_tokens=256), guard, system))
     log.info("synthesized %d prompts: %s", len(kept), counts)
     return kept, counts
+
+
+async def _add_follow_ups(engine: Engine, tokenizer, prompts: list[Prompt], turns: int, sampling: SamplingParams,
+                          answer_sampling: SamplingParams, guard: NearDupIndex,
+                          system: str | None) -> dict[str, int]:
+    """Extend each prompt, turn by turn, with a follow-up request sampled after the target's answer. A prompt whose
+    follow-up is rejected keeps the turns it has."""
+    counts = {"follow_ups_kept": 0, "follow_up_no_end_of_turn": 0, "follow_up_too_short": 0,
+              "follow_up_too_long": 0, "follow_up_language": 0, "follow_up_held_out": 0, "follow_up_repeat": 0}
+    system_msgs = [{"role": "system", "content": system}] if system else []
+    history = {p.id: [] for p in prompts}  # id → the conversation so far, answers included: [{"role", "content"}]
+    for turn in range(2, turns + 1):
+        growing = [p for p in prompts if len(p.user_turns) == turn - 1]
+        if not growing:
+            break
+        for p in growing:
+            history[p.id].append({"role": "user", "content": p.user_turns[-1]})
+        answers = await engine.complete_many(
+            [render_prompt_text(tokenizer, system_msgs + history[p.id], answer_sampling.chat_template_kwargs)
+             for p in growing], answer_sampling)
+        for p, a in zip(growing, answers, strict=True):
+            history[p.id].append({"role": "assistant", "content": a.content.strip()})
+        params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 7_919 * turn})
+        outs = await engine.complete_many([pre_query_text(tokenizer, system, history[p.id]) for p in growing], params)
+        for p, c in zip(growing, outs, strict=True):
+            text = c.content.strip()
+            reason = "no_end_of_turn" if c.finish_reason != "stop" else acceptable(text)
+            if reason is None and guard.find(text) is not None:
+                reason = "held_out"
+            if reason is None and NearDupIndex(p.user_turns).find(text) is not None:
+                reason = "repeat"  # the user asking the same thing again teaches nothing new
+            if reason is not None:
+                counts[f"follow_up_{reason}"] += 1
+                continue
+            p.user_turns.append(text)
+            p.meta["answer_sampling"] = answer_sampling.model_dump(exclude={"chat_template_kwargs"})
+            counts["follow_ups_kept"] += 1
+    return counts

@@ -27,6 +27,7 @@ from pydantic import Field
 from eyas.features import FeatureReader
 from eyas.layout import Layout, check_layout
 from eyas.manifest import ArtifactWriter, Manifest
+from eyas.settings import Settings
 from eyas.stages import StageContext, StageResult, StageSpec
 from eyas.store import open_artifact
 from eyas.target import config_hash, load_tokenizer, resolve_target, tokenizer_hash
@@ -68,10 +69,10 @@ class Spec(StageSpec):
     processes: int = Field(1, ge=1, le=64, description=">1: DDP under torchrun with this many processes")
 
 
-def open_features(spec: Spec) -> tuple[FeatureReader, Layout]:
+def open_features(spec: Spec, settings: Settings) -> tuple[FeatureReader, Layout]:
     """The features reader and its layout, after checking that the target here is the one they were extracted
     from (config and tokenizer/chat-template hashes, sizes)."""
-    reader = FeatureReader(open_artifact(spec.features))
+    reader = FeatureReader(open_artifact(spec.features, settings))
     layout = reader.layout
     target = spec.target or layout.target
     cfg = json.loads((resolve_target(target) / "config.json").read_text())
@@ -122,7 +123,7 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
-    reader, layout = open_features(spec)
+    reader, layout = open_features(spec, ctx.settings)
     if spec.processes > 1:
         _train_distributed(spec, ctx)
     else:
@@ -130,7 +131,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             ctx.metrics.update(metrics)
             ctx.progress(step, total, "steps")
 
-        train(spec, layout, reader, ctx.output, report)
+        train(spec, layout, reader, ctx.output, report, ctx.settings)
     weights, _, state = load_checkpoint(ctx.output)
     target = spec.target or layout.target
     metrics = _summary(state["history"], state["info"])

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
 from eyas.layout import Layout
+from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.target import load_target_head, resolve_target
 from services.trainer.data import BatchStream, DataPosition, collate, eval_plan, shard, split_samples
@@ -201,13 +202,13 @@ def load_checkpoint(artifact: Artifact) -> tuple[dict[str, torch.Tensor], dict[s
     return weights, opt, json.loads(artifact.get_bytes(f"{prefix}/state.json"))
 
 
-def resume_source(spec, output: Artifact) -> Artifact | None:
+def resume_source(spec, output: Artifact, settings: Settings) -> Artifact | None:
     """The artifact whose latest checkpoint this run continues from, if any."""
     if spec.resume == "never":
         return None
     if spec.resume == "auto":
         return output if read_latest(output) else None
-    source = open_artifact(spec.resume)
+    source = open_artifact(spec.resume, settings)
     if read_latest(source) is None:
         raise FileNotFoundError(f"resume={spec.resume!r}: no checkpoint there ({LATEST} is missing)")
     return source
@@ -250,7 +251,7 @@ def validate(spec, run: Run, tops: TopCache, device) -> dict[str, Any]:
     return {"loss": float(stats[0] / denom), "acc": (correct / count).tolist()}
 
 
-def train(spec, layout: Layout, reader: FeatureReader, output: Artifact, report: Report) -> None:
+def train(spec, layout: Layout, reader: FeatureReader, output: Artifact, report: Report, settings: Settings) -> None:
     """Train (or continue training) to the spec's total steps, checkpointing into `output`; the last checkpoint
     (step == total) holds the result. Every rank of a torchrun job calls this."""
     rank, world = _rank_world()
@@ -270,7 +271,7 @@ def train(spec, layout: Layout, reader: FeatureReader, output: Artifact, report:
             "vocab_coverage": run.vocab_coverage}
 
     step, position, history = 0, DataPosition(), {"train": [], "val": []}
-    source = resume_source(spec, output)
+    source = resume_source(spec, output, settings)
     if source is not None:
         weights, opt_tensors, state = load_checkpoint(source)
         if state["spec"] != fields:
@@ -347,12 +348,13 @@ def main(argv: list[str] | None = None) -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        reader, layout = open_features(spec)
+        settings = get_settings()  # this process (a torchrun rank) reads the worker's environment
+        reader, layout = open_features(spec, settings)
 
         def report(step: int, total: int, metrics: dict[str, Any]) -> None:
             print(PROGRESS_TAG + json.dumps({"step": step, "total": total, "metrics": metrics}), flush=True)
 
-        train(spec, layout, reader, open_artifact(args.output), report)
+        train(spec, layout, reader, open_artifact(args.output, settings), report, settings)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
