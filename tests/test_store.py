@@ -113,3 +113,9 @@ def test_artifacts_open_by_uri(store, request):
     settings = request.getfixturevalue("service_settings").settings if isinstance(store, S3Store) else None
     again = open_artifact(art.uri, settings)
     assert again.uri == art.uri and again.get_bytes("x.bin") == b"42" and again.names() == ["x.bin"]
+
+
+def test_s3_artifacts_open_only_with_settings():
+    # S3 credentials come from the caller (a stage's context), never from a process-wide default
+    with pytest.raises(ValueError, match="s3://bucket/features/x: opening an s3:// artifact needs the S3 settings"):
+        open_artifact("s3://bucket/features/x")

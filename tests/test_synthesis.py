@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 
@@ -11,7 +12,7 @@ from eyas.target import BUNDLED, load_tokenizer
 from services.generator.core import Spec, gather_prompts
 from services.generator.dataset import bundled_prompt_file, load_prompts
 from services.generator.dedup import NearDupIndex
-from services.generator.engine import InProcessEngine, SamplingParams
+from services.generator.engine import Completion, InProcessEngine, SamplingParams
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 
 
@@ -38,6 +39,41 @@ def test_synthesis_is_reproducible_distinct_and_ends_at_end_of_turn(engine):
     assert counts["kept"] == 3 and counts["sampled"] >= 3
     c, _ = asyncio.run(synthesize_prompts(engine, tok, 3, seed=8))
     assert [p.user_turns[0] for p in c] != texts
+
+
+TOPICS = ("bread lighthouse tax violin glacier python mortgage sonnet tomato rocket marathon chess orchid "
+          "volcano budget sushi quantum fossil jazz kayak saffron comet ledger tundra opera cactus bicycle "
+          "nebula pottery falcon").split()
+
+
+class _Scripted:
+    """An engine whose every other candidate runs to the token cap (the unit test of the drawing logic only)."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+        self.drawn = 0
+
+    async def complete_many(self, texts, params):
+        self.calls.append(len(texts))
+        out = []
+        for _ in texts:
+            self.drawn += 1
+            words = random.Random(self.drawn).sample(TOPICS, 6)  # distinct requests, never near-duplicates
+            out.append(Completion(content=" ".join(words) + "?", reasoning_content=None,
+                                  finish_reason="length" if self.drawn % 2 else "stop", prompt_tokens=1,
+                                  completion_tokens=1))
+        return out
+
+
+def test_synthesis_draws_in_chunks_sized_to_what_is_still_needed():
+    fake = _Scripted()
+    kept, counts = asyncio.run(synthesize_prompts(fake, load_tokenizer(BUNDLED), 10, chunk=8))
+    assert len(kept) == 10 and counts["near_duplicate"] == 0
+    assert max(fake.calls) <= 8  # never more than a chunk at once
+    # half are rejected: after the first chunk the draws follow the measured acceptance, not the 1.5x guess
+    assert fake.calls == [8, 8, 5] and counts["sampled"] == 21
+    capped, _ = asyncio.run(synthesize_prompts(_Scripted(), load_tokenizer(BUNDLED), 10, chunk=8, max_candidates=12))
+    assert len(capped) == 6  # 12 candidates at most, half of them usable
 
 
 def test_follow_ups_continue_the_conversation_reproducibly(engine):

@@ -316,7 +316,8 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
     for source, quota in sources:
         if source == "synth":
             got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, seed=spec.synth_seed,
-                                                         held_out=held, turns=spec.synth_turns,
+                                                         held_out=held, chunk=spec.concurrency,
+                                                         turns=spec.synth_turns,
                                                          answer_sampling=spec.sampling)
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]
@@ -337,7 +338,8 @@ PROMPTS_FILE = "prompts.jsonl"  # the job's resolved prompt list, fixed at the f
 
 
 def _make_engine(spec: Spec) -> Engine:
-    return (HttpEngine(spec.endpoint, spec.model or "target", timeout_s=spec.request_timeout_s)
+    return (HttpEngine(spec.endpoint, spec.model or "target", max_connections=spec.concurrency,
+                       timeout_s=spec.request_timeout_s)
             if spec.endpoint else InProcessEngine(spec.target, max_batch=spec.concurrency))
 
 

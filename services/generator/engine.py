@@ -68,6 +68,7 @@ class HttpEngine:
         self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1")
         self.model = model
         self.min_tokens_per_s = min_tokens_per_s
+        self.max_connections = max_connections  # also the most raw completions `complete_many` keeps in flight
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
             headers=headers, limits=httpx.Limits(max_connections=max_connections,
@@ -113,8 +114,8 @@ class HttpEngine:
             latency_s=time.monotonic() - t0,
         )
 
-    async def complete_many(self, texts: list[str], params: SamplingParams, concurrency: int = 16) -> list[Completion]:
-        sem = asyncio.Semaphore(concurrency)
+    async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
+        sem = asyncio.Semaphore(self.max_connections)
 
         async def one(i: int, text: str) -> Completion:
             body: dict[str, Any] = {"model": self.model, "prompt": text, "max_tokens": params.max_tokens,

@@ -10,7 +10,9 @@ not kept; the generator regenerates every assistant turn.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 
 from eyas.render import render_prompt_text
 from services.generator.dataset import Prompt
@@ -44,28 +46,31 @@ def acceptable(text: str, min_chars: int = 12, max_chars: int = 2000, min_ascii:
 
 
 async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
-                             sampling: SamplingParams | None = None, max_rounds: int = 4,
-                             system: str | None = None, turns: int = 1,
+                             sampling: SamplingParams | None = None, chunk: int = 8,
+                             max_candidates: int | None = None, system: str | None = None, turns: int = 1,
                              answer_sampling: SamplingParams | None = None) -> tuple[list[Prompt], dict[str, int]]:
-    """Sample until `n` distinct acceptable requests are kept (or `max_rounds` rounds ran), then up to `turns - 1`
-    follow-ups for each. Returns the prompts and the counts of what was dropped and why."""
+    """Sample candidates, at most `chunk` at a time, until `n` distinct acceptable requests are kept (or
+    `max_candidates`, default 4n + 8, were drawn); then up to `turns - 1` follow-ups for each. Returns the prompts
+    and the counts of what was drawn, dropped and why."""
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
+    max_candidates = max_candidates or 4 * n + 8
     prefix = pre_query_text(tokenizer, system)
     seen = NearDupIndex()
     guard = NearDupIndex(list(held_out))
     kept: list[Prompt] = []
     counts = {"sampled": 0, "kept": 0, "no_end_of_turn": 0, "too_short": 0, "too_long": 0, "language": 0,
               "near_duplicate": 0, "held_out": 0}
-    for rnd in range(max_rounds):
-        want = n - len(kept)
-        if want <= 0:
+    for rnd in itertools.count():
+        if len(kept) >= n or counts["sampled"] >= max_candidates:
             break
-        batch = max(want + want // 2, 8)  # oversample: some candidates are filtered out
+        # size the last chunks by the acceptance seen so far: a batch costs its rows, so draw little beyond need
+        accepted = len(kept) / counts["sampled"] if counts["sampled"] else 1.0
+        size = min(chunk, max_candidates - counts["sampled"], math.ceil((n - len(kept)) * 1.1 / max(accepted, 0.1)))
         params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 1_000_003 * rnd})
-        log.info("synthesis round %d: sampling %d candidate requests (%d kept so far)", rnd + 1, batch, len(kept))
-        outs = await engine.complete_many([prefix] * batch, params)
+        log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, len(kept), n)
+        outs = await engine.complete_many([prefix] * size, params)
+        counts["sampled"] += size
         for i, c in enumerate(outs):
-            counts["sampled"] += 1
             text = c.content.strip()
             if c.finish_reason != "stop":
                 counts["no_end_of_turn"] += 1
