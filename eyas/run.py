@@ -1,6 +1,6 @@
 """`eyas run`: generate → extract → train → evaluate on the embedded default, with progress for each stage.
 
-Defaults are sized for a 2-core CPU machine (about 8 minutes): the bundled SmolLM2-135M-Instruct target, the
+Defaults are sized for a 2-core CPU machine (8–13 minutes, by how busy its host is): the bundled SmolLM2-135M-Instruct target, the
 bundled prompts, a local directory store. Every stage runs through the same pipeline code as the services.
 """
 from __future__ import annotations
