@@ -1,7 +1,8 @@
 """`eyas run`: generate → extract → train → evaluate on the embedded default, with progress for each stage.
 
-Defaults are sized for a 2-core CPU machine (8–13 minutes, by how busy its host is): the bundled SmolLM2-135M-Instruct target, the
-bundled prompts, a local directory store. Every stage runs through the same pipeline code as the services.
+Defaults are sized for a 2-core CPU machine (8–13 minutes, by how busy its host is): the bundled
+SmolLM2-135M-Instruct target, prompts synthesized from it, a local directory store. Every stage runs through the
+same pipeline code as the services.
 """
 from __future__ import annotations
 
