@@ -68,7 +68,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     dtype = getattr(torch, spec.dtype)
     target = load_target(spec.target, dtype=dtype)
     layout = layout_for(target, spec.aux_layers)
-    records, source_manifest = read_conversations(spec.data, ctx.settings, expect_tokenizer_hash=target.tokenizer_hash)
+    records, source_manifest = read_conversations(spec.data, ctx.settings,
+                                                  expect_tokenizer_hash=target.tokenizer_hash)
 
     counts = {"conversations": len(records), "samples": 0, "tokens": 0, "supervised_tokens": 0,
               "truncated": 0, "skipped_overlong": 0, "skipped_empty": 0, "shards": 0}

@@ -65,7 +65,8 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
             break
         # size the last chunks by the acceptance seen so far: a batch costs its rows, so draw little beyond need
         accepted = len(kept) / counts["sampled"] if counts["sampled"] else 1.0
-        size = min(chunk, max_candidates - counts["sampled"], math.ceil((n - len(kept)) * 1.1 / max(accepted, 0.1)))
+        needed = math.ceil((n - len(kept)) * 1.1 / max(accepted, 0.1))
+        size = min(chunk, max_candidates - counts["sampled"], needed)
         params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 1_000_003 * rnd})
         log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, len(kept), n)
         outs = await engine.complete_many([prefix] * size, params)
