@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eyas.features import FeatureReader, Sample, ShardBuffer, shard_name
-from eyas.layout import Layout
+from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout
 from eyas.manifest import ArtifactWriter, Manifest
 from eyas.store import open_artifact
 from services.trainer.data import split_samples
@@ -66,10 +66,6 @@ def write_features(dest: Path, gib: float, hidden: int) -> tuple[int, int]:
     return samples, shards
 
 
-def _touch(samples: list[Sample]) -> float:
-    return sum(float(s.aux_hidden.float().sum() + s.final_hidden.float().sum()) for s in samples)
-
-
 def child(mode: str, features: Path) -> None:
     base = _memory_mib()
     if mode == "plain":
@@ -78,17 +74,16 @@ def child(mode: str, features: Path) -> None:
         held = []  # every shard's tensors in private memory, as a loader that reads the bytes would hold them
         for path in sorted(features.glob("shard-*.safetensors")):
             held.append(load(path.read_bytes()))
-        samples = [Sample(t["input_ids"], t["loss_mask"], t["aux_hidden"], t["final_hidden"]) for t in held]
+        for t in held:
+            float(t[AUX_HIDDEN].float().sum() + t[FINAL_HIDDEN].float().sum())
+        after = _memory_mib()
     else:
         with tempfile.TemporaryDirectory() as cache:
             reader = FeatureReader(open_artifact(str(features)), cache_dir=Path(cache))
             train, val = split_samples(reader, 10)
-            samples = train + val
-            _touch(samples)
+            for s in train + val:
+                float(s.aux_hidden.float().sum() + s.final_hidden.float().sum())
             after = _memory_mib()
-    if mode == "plain":
-        _touch(samples)
-        after = _memory_mib()
     print(json.dumps({k: after[k] - base[k] for k in after}))
 
 
