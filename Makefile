@@ -19,7 +19,8 @@ run: .venv/.installed
 
 lint: .venv/.installed
 	.venv/bin/ruff check .
-	.venv/bin/vulture eyas services tests vulture_allow.py --min-confidence 80
+	.venv/bin/lint-imports
+	.venv/bin/vulture eyas services orchestration tests vulture_allow.py --min-confidence 80
 
 test: .venv/.installed
 	./scripts/install-vllm.sh

@@ -1,8 +1,17 @@
-"""Generator benchmark: Eyas's generator (retries, AIMD throttle, journal) vs a bare asyncio httpx client at the
-same concurrency, against the same fast local OpenAI-compatible endpoint (a canned-answer server in another
-process, so the clients are what is measured). Runs alternate, side by side; prints both throughputs and the ratio.
+"""Generator benchmark: `eyas generate` against an endpoint that behaves like an LLM server under load, beside a bare
+asyncio httpx client at the best fixed concurrency a sweep finds, without and with 20 % injected faults; and 1, 2 and
+4 `eyas generate` processes sharing one endpoint limit through Redis.
 
-    .venv/bin/python bench/generator.py [--requests 2000] [--concurrency 64] [--repeats 3]
+The endpoint is tests/fake_llm.py in a process of its own: a fixed number of batch slots, a time per output token
+that grows with the batch, a waiting queue beyond the slots, long-tailed generation lengths; the faults come from
+tests/fault_proxy.py (in another process) in front of it. Time is scaled down: at the defaults a generation takes
+~0.5–4 s where a real reasoning model takes 30–60 s, so one run is a few minutes, not hours. Wall time is measured at
+the endpoint, from the first request to the last answer: process start-up (imports, tokenizer) and writing the
+shards at the end are the same for every size of job and are left out. The number of prompts is `--rounds` round
+trips' worth at the server's full batch.
+
+    .venv/bin/python bench/generator.py --concurrency 64 200 1000
+    .venv/bin/python bench/generator.py --workers 1 2 4 --concurrency 200
 """
 from __future__ import annotations
 
@@ -10,130 +19,218 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import socket
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import redis
 
-_ANSWER = json.dumps({
-    "id": "x", "object": "chat.completion", "model": "target",
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "A canned answer of a few words.",
-                             "reasoning_content": "Short thought."}}],
-    "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20},
-}).encode()
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the fake endpoint and the fault proxy are the tests' fixtures
+
+from tests.fake_llm import FakeLLM  # noqa: E402
+from tests.fault_proxy import FaultProxy  # noqa: E402
+from tests.servers import free_port, redis_server  # noqa: E402
+
+RETRY_WAIT_S = 0.05  # eyas's first retry waits 0.5 s by default: scaled down with the generations
+FAULTS = {"delay": 0.04, "429": 0.04, "500": 0.04, "503": 0.04, "reset": 0.04, "truncate": 0.04}  # 24 % of requests
 
 
-def _serve(port: int) -> None:
-    async def handle(reader, writer):
+def _serve_faults(upstream: str, timeout_s: float, conn) -> None:
+    # a hung request times out at the client; Retry-After and eyas's retry waits are scaled with the generations
+    with FaultProxy(upstream, FAULTS, delay_s=timeout_s + 1, retry_after="0") as url:
+        conn.send(url)
+        conn.recv()  # until the benchmark is done
+
+
+def _wait_up(url: str) -> None:
+    for _ in range(200):
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(_ANSWER)).encode() + b"\r\n\r\n" + _ANSWER)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
-    async def main():
-        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
-        await server.serve_forever()
-
-    asyncio.run(main())
+            httpx.get(f"{url}/stats", timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
 
 
-async def bare(url: str, n: int, concurrency: int) -> float:
+def _measure(server: str) -> dict:
+    """Wall time at the endpoint, and how long the batch took to reach its steady size (90 % of its median over the
+    middle half of the run)."""
+    s = httpx.get(f"{server}/stats", timeout=30).json()
+    t0, t1 = s["first_request"], s["last_answer"]
+    trace = [(t - t0, running) for t, running, _ in s["trace"] if t0 <= t <= t1]
+    wall = t1 - t0
+    steady = statistics.median(r for t, r in trace if wall / 4 <= t <= wall * 3 / 4)
+    to_steady = next(t for t, r in trace if r >= 0.9 * steady)
+    return {"wall": wall, "steady_batch": steady, "to_steady": to_steady, "answers": s["answers"]}
+
+
+async def bare(url: str, n: int, concurrency: int, max_tokens: int, timeout_s: float) -> int:
+    """The plain alternative: a semaphore, one httpx client, and a retry loop (without one, faults lose prompts)."""
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def one(i: int):
+    retries = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        async def one(i: int) -> None:
+            nonlocal retries
+            body = {"model": "target", "messages": [{"role": "user", "content": f"Question {i}?"}],
+                    "max_tokens": max_tokens}
             async with sem:
-                r = await client.post(f"{url}/v1/chat/completions", json={
-                    "model": "target", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 16})
-                r.json()["choices"][0]["message"]["content"]
+                while True:
+                    try:
+                        r = await client.post(f"{url}/v1/chat/completions", json=body)
+                        if r.status_code == 200:
+                            r.json()["choices"][0]["message"]["content"]
+                            return
+                    except (httpx.HTTPError, ValueError, KeyError):
+                        pass
+                    retries += 1
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
-        return n / (time.perf_counter() - t0)
+    return retries
 
 
-def eyas(url: str, n: int, concurrency: int) -> float:
-    from eyas.jobs import JobRecord, SqliteJobStore
-    from eyas.settings import Settings
-    from eyas.stages import StageContext
-    from eyas.store import Artifact, LocalStore
-    from services.generator.core import Generator, Journal, Spec, _make_throttle
-    from services.generator.dataset import Prompt
-    from services.generator.engine import HttpEngine
-    from services.generator.workshare import LocalWork
+def _prompts(path: Path, ids: range) -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]})
+                            + "\n" for i in ids))
+    return path
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prompts_file = Path(tmp) / "p.jsonl"
-        prompts_file.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
-        spec = Spec(prompts=str(prompts_file), endpoint=url, concurrency=concurrency,
-                    initial_concurrency=concurrency, sampling={"max_tokens": 16}, held_out=None)
-        jobs = SqliteJobStore(Path(tmp) / "jobs.sqlite")
-        jobs.put(JobRecord(id="bench", stage="generate", spec={}))
-        out = Artifact(LocalStore(Path(tmp) / "out"))
-        ctx = StageContext(job_id="bench", settings=Settings(workdir=Path(tmp)), store=out.store, jobs=jobs,
-                           output=out)
-        prompts = [Prompt(id=f"p{i}", user_turns=[f"q{i}"]) for i in range(n)]
 
-        async def main() -> float:
-            engine = HttpEngine(url, "target", max_connections=concurrency)
-            journal = Journal(out, flush_every=256)
-            gen = Generator(spec, engine, _make_throttle(spec, ctx.settings), journal, ctx)
-            t0 = time.perf_counter()
-            await gen.run({p.id: p for p in prompts}, LocalWork([p.id for p in prompts]))
-            elapsed = time.perf_counter() - t0
-            await engine.aclose()
-            assert len(journal.load()) == n and gen.stats["failed"] == 0
-            return n / elapsed
+def eyas(url: str, prompt_files: list[Path], concurrency: int, max_tokens: int, timeout_s: float, tmp: Path,
+         env: dict[str, str] | None = None) -> dict:
+    """`eyas generate` once per prompt file, all at once; then what the committed shards hold."""
+    env = {**os.environ, "TQDM_DISABLE": "1", "EYAS_WORKER_MAX_IN_FLIGHT": str(concurrency),
+           "EYAS_ALLOWED_ENDPOINTS": url, "EYAS_INPUT_ROOTS": str(prompt_files[0].parent), **(env or {})}
+    procs, outs = [], []
+    for k, prompts in enumerate(prompt_files):
+        out, log = tmp / f"out{k}", open(tmp / f"eyas{k}.log", "wb")
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [str(REPO / ".venv/bin/eyas"), "generate", "--prompts", str(prompts), "--endpoint", url,
+             "--concurrency", str(concurrency), "--max-tokens", str(max_tokens), "--request-timeout-s",
+             str(timeout_s), "--max-attempts", "30", "--retry-wait-s", str(RETRY_WAIT_S), "--out", str(out),
+             "--workdir", str(tmp / f"work{k}")],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    for k, p in enumerate(procs):
+        if p.wait() != 0:
+            raise RuntimeError(f"eyas generate failed:\n{(tmp / f'eyas{k}.log').read_text()[-3000:]}")
+    ids, dead = [], 0
+    for out in outs:
+        ids += [json.loads(line)["id"] for f in sorted(out.glob("conversations-*.jsonl"))
+                for line in f.read_text().splitlines()]
+        if (out / "dead-letter.jsonl").exists():
+            dead += len((out / "dead-letter.jsonl").read_text().splitlines())
+    expected = sum(len(f.read_text().splitlines()) for f in prompt_files)
+    return {"lost": expected - len(set(ids)) - dead, "duplicated": len(ids) - len(set(ids)), "dead": dead}
 
-        return asyncio.run(main())
+
+def _run(server: str, what) -> dict:
+    httpx.post(f"{server}/stats/reset", timeout=10)
+    extra = what() or {}
+    return {**_measure(server), **extra}
+
+
+def compare(args, server: str, faulty: str, concurrency: int, tmp: Path) -> list[dict]:
+    n = args.rounds * min(concurrency, args.slots)
+    prompts = _prompts(tmp / f"prompts-{concurrency}.jsonl", range(n))
+    timeout = args.timeout_s
+    # fixed concurrencies from C down to half of what the server runs at once (fewer only leave slots idle)
+    sweep = [c for c in (concurrency, concurrency // 2, concurrency // 4)
+             if c == concurrency or c >= min(concurrency, args.slots) / 2]
+    walls = {c: _run(server, lambda c=c: {"retries": asyncio.run(bare(server, n, c, args.max_tokens, timeout))})
+             for c in sweep}
+    for c, r in walls.items():
+        print(f"  bare at {c:5d}: {r['wall']:6.1f} s", flush=True)
+    best = min(walls, key=lambda c: walls[c]["wall"])
+    rows = []
+    for label, url in (("none", server), ("20 %", faulty)):
+        plain = walls[best] if url == server else _run(
+            server, lambda url=url: {"retries": asyncio.run(bare(url, n, best, args.max_tokens, timeout))})
+        with tempfile.TemporaryDirectory(dir=tmp) as t:
+            ours = _run(server, lambda url=url, t=t: eyas(url, [prompts], concurrency, args.max_tokens, timeout,
+                                                          Path(t)))
+        rows.append({"C": concurrency, "faults": label, "prompts": n, "best": best, "bare": plain["wall"],
+                     "eyas": ours["wall"], "ratio": ours["wall"] / plain["wall"], "lost": ours["lost"],
+                     "duplicated": ours["duplicated"], "dead": ours["dead"], "to_steady": ours["to_steady"],
+                     "bare_to_steady": plain["to_steady"], "batch": ours["steady_batch"]})
+        r = rows[-1]
+        print(f"  faults {label}: bare {r['bare']:.1f} s, eyas {r['eyas']:.1f} s (x{r['ratio']:.3f}), "
+              f"steady after {r['to_steady']:.1f} s", flush=True)
+    return rows
+
+
+def workers(args, server: str, concurrency: int, tmp: Path) -> None:
+    n = args.rounds * min(concurrency, args.slots)
+    with redis_server() as redis_url:
+        env = {"EYAS_MODE": "service", "EYAS_REDIS_URL": redis_url}
+        rows = []
+        for k in args.workers:
+            redis.Redis.from_url(redis_url).flushdb()  # each run slow-starts: no limit learned by the one before
+            files = [_prompts(tmp / f"w{k}-{j}.jsonl", range(j, n, k)) for j in range(k)]
+            with tempfile.TemporaryDirectory(dir=tmp) as t:
+                r = _run(server, lambda files=files, t=t: eyas(server, files, concurrency, args.max_tokens,
+                                                                args.timeout_s, Path(t), env))
+            rows.append((k, r))
+            print(f"  {k} workers: {r['wall']:.1f} s", flush=True)
+    one = rows[0][1]["wall"]
+    print(f"\n{n} prompts at concurrency {concurrency}, {args.slots}-slot endpoint; workers share one limit (Redis)")
+    print("| workers | wall (s) | throughput vs 1 worker | lost | duplicated | steady after (s) |")
+    print("|---|---|---|---|---|---|")
+    for k, r in rows:
+        print(f"| {k} | {r['wall']:.1f} | {one / r['wall']:.3f} | {r['lost']} | {r['duplicated']} | "
+              f"{r['to_steady']:.1f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 200, 1000], help="the job's concurrency (C)")
+    ap.add_argument("--workers", type=int, nargs="*", help="compare this many worker processes instead (e.g. 1 2 4)")
+    ap.add_argument("--rounds", type=int, default=15, help="prompts: this many round trips at the full batch")
+    ap.add_argument("--slots", type=int, default=256, help="the endpoint's batch slots (vLLM's max_num_seqs)")
+    ap.add_argument("--token-ms", type=float, default=4.0, help="ms per output token with one request running")
+    ap.add_argument("--slowdown", type=float, default=3.0, help="time per token at a full batch, relative to one")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="per request; lengths are log-normal below it")
+    ap.add_argument("--timeout-s", type=float, default=20.0, help="request timeout, for both clients")
+    ap.add_argument("--no-metrics", action="store_true", help="the endpoint publishes no queue: latency steers")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = multiprocessing.Process(target=_serve, args=(port,), daemon=True)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.post(f"{url}/v1/chat/completions", json={}, timeout=1)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    import logging
-    import os
 
-    logging.disable(logging.INFO)
-    os.environ["TQDM_DISABLE"] = "1"  # the progress bar is not what is measured
-    rates: dict[str, list[float]] = {"bare": [], "eyas": []}
+    port = free_port()
+    fake = FakeLLM(slots=args.slots, token_s=args.token_ms / 1000, full_batch_slowdown=args.slowdown,
+                   metrics=not args.no_metrics)
+    procs = [multiprocessing.Process(target=fake.serve_forever, args=(port,), daemon=True)]
+    procs[0].start()
+    server = f"http://127.0.0.1:{port}"
+    _wait_up(server)
+    ours, theirs = multiprocessing.Pipe()
+    procs.append(multiprocessing.Process(target=_serve_faults, args=(server, args.timeout_s, theirs), daemon=True))
+    procs[1].start()
+    faulty = ours.recv()
     try:
-        for _ in range(args.repeats):  # alternate, so both see the same machine state
-            rates["bare"].append(asyncio.run(bare(url, args.requests, args.concurrency)))
-            rates["eyas"].append(eyas(url, args.requests, args.concurrency))
+        with tempfile.TemporaryDirectory(prefix="eyas-bench-") as tmp:
+            if args.workers:
+                for c in args.concurrency:
+                    workers(args, server, c, Path(tmp))
+                return
+            rows = []
+            for c in args.concurrency:
+                print(f"C = {c}: {args.rounds * min(c, args.slots)} prompts", flush=True)
+                rows += compare(args, server, faulty, c, Path(tmp))
     finally:
-        server.kill()
-    best = {k: max(v) for k, v in rates.items()}
-    print(f"{args.requests} requests at concurrency {args.concurrency}, best of {args.repeats}")
-    print(f"bare asyncio httpx client: {best['bare']:8.1f} req/s")
-    print(f"eyas generator:            {best['eyas']:8.1f} req/s")
-    print(f"ratio eyas/bare: {best['eyas'] / best['bare']:.3f}  (goal >= 0.97)")
+        for p in procs:
+            p.kill()
+    print(f"\n{args.slots}-slot endpoint, {args.token_ms} ms/token alone, x{args.slowdown} at a full batch, "
+          f"max_tokens {args.max_tokens}, {'no queue published' if args.no_metrics else 'queue on /metrics'}")
+    print("| C | faults | prompts | best fixed C (bare) | bare (s) | eyas (s) | eyas / bare | lost | duplicated | "
+          "dead-lettered | eyas steady after (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['C']} | {r['faults']} | {r['prompts']} | {r['best']} | {r['bare']:.1f} | {r['eyas']:.1f} | "
+              f"{r['ratio']:.3f} | {r['lost']} | {r['duplicated']} | {r['dead']} | {r['to_steady']:.1f} |")
 
 
 if __name__ == "__main__":

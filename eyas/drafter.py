@@ -1,27 +1,25 @@
-"""The EAGLE-3 drafter, all of it in this file (reference/eagle3-spec.md §1, §2).
+"""The EAGLE-3 drafter, all of it in this file (docs/eagle3.md §1, §2).
 
     h0 = fc(cat(aux))                                   # [B, T, n_aux·H_t] → [B, T, H], once per sequence
     step(k):  a = cat(input_layernorm(embed(x)), hidden_norm(h))          # [B, T, 2H], embedding first
               h = h + o_proj(attn(a))  ;  h = h + mlp(post_attention_layernorm(h))   # pre-norm state, fed back
               logits = lm_head(norm(h))                 # [B, T, Vd] draft-vocab logits; target id = i + d2t[i]
 
-Module names equal the EAGLE/SpecForge checkpoint names, so export is the state dict minus the frozen embedding.
+Module names equal the EAGLE/SpecForge checkpoint names, so export is the state dict minus the frozen embedding
+(eyas.exports writes and loads the checkpoints).
 The attention of step k sees step-0 keys causally plus, for each earlier step j ≥ 1, only the key at the same
-index (the training-time-test structure of spec §4.3, which is also what serving does).
+index (the training-time-test structure of docs/eagle3.md §4.3, which is also what serving does).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.layout import Layout
 
 
 @dataclass
@@ -38,64 +36,26 @@ class DrafterConfig:
     num_aux: int
     rope_theta: float
     max_position_embeddings: int
+    # The target's RoPE scaling (its rope_type and parameters, e.g. Llama-3's "llama3"); None for plain RoPE. The
+    # export writes it as rope_scaling, which the engines apply to the drafter, so training applies it too.
+    rope_scaling: dict[str, Any] | None = None
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int = 3) -> DrafterConfig:
+    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int) -> DrafterConfig:
+        """The drafter for a target (a transformers config): its widths, heads and RoPE; `num_aux` is the number
+        of aux layers the features concatenate (the layout's)."""
         c = target_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
             hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
             num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
             head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
             draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_hidden_size=c.hidden_size,
             num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
-        )
-
-    def eagle_config(self, layout: Layout, dtype: str) -> dict[str, Any]:
-        """config.json in the EAGLE/SpecForge layout that vLLM and SGLang load (spec §2.2)."""
-        cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "norm_before_residual": False,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "torch_dtype": dtype,
-            "eyas_layout": layout.to_dict(),
-        }
-        if self.target_hidden_size != self.hidden_size:
-            cfg["target_hidden_size"] = self.target_hidden_size
-        if not layout.is_default:
-            # Per-engine numbering (spec §3.4): vLLM reads top-level input-to ids, SGLang eagle_config output-of ids.
-            cfg["eagle_aux_hidden_state_layer_ids"] = layout.vllm_ids
-            cfg["eagle_config"] = {"use_aux_hidden_state": True,
-                                   "eagle_aux_hidden_state_layer_ids": layout.sglang_ids}
-        return cfg
-
-    @classmethod
-    def from_eagle_config(cls, cfg: dict[str, Any]) -> DrafterConfig:
-        return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg["draft_vocab_size"],
-            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), num_aux=3,
-            rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=cfg["max_position_embeddings"],
+            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,15 +81,25 @@ def rotate_half(x):
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        hd, theta = cfg.head_dim, cfg.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # [hd/2]
+        self.scale = 1.0  # YaRN's attention factor multiplies cos and sin
+        if cfg.rope_scaling:  # the frequencies (and factor) transformers, vLLM and SGLang derive from the same fields
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            rope_cfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                                   head_dim=hd, max_position_embeddings=cfg.max_position_embeddings,
+                                   rope_parameters={"rope_theta": theta, **cfg.rope_scaling})
+            inv_freq, self.scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](rope_cfg, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, x, position_ids):  # x [B, h, T, hd], position_ids [B, T]
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # [B, 1, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
 
@@ -154,7 +124,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
-        self.rotary = Rotary(self.hd, cfg.rope_theta)
+        self.rotary = Rotary(cfg)
 
     def forward(self, a, position_ids, cache: TTTCache):
         B, Tq, _ = a.shape
@@ -248,7 +218,7 @@ class Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def set_vocab(self, used_ids: torch.Tensor) -> None:
-        """Install d2t/t2d for an ascending list of the Vd target ids the draft vocabulary keeps (spec §5)."""
+        """Install d2t/t2d for an ascending list of the Vd target ids the draft vocabulary keeps (docs/eagle3.md §5)."""
         used = used_ids.to(torch.int64)
         assert used.numel() == self.cfg.draft_vocab_size, (used.numel(), self.cfg.draft_vocab_size)
         assert bool((used[1:] > used[:-1]).all()), "draft vocabulary ids must be ascending and distinct"
@@ -259,23 +229,3 @@ class Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything the checkpoint carries: all weights but the frozen embedding, plus d2t/t2d."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
-
-
-def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[Drafter, dict]:
-    """THE checkpoint loader: an EAGLE-layout directory (config.json + model.safetensors) → Drafter.
-
-    `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (spec §2.1).
-    """
-    from safetensors.torch import load_file
-
-    cfg_json = json.loads((Path(path) / "config.json").read_text())
-    cfg = DrafterConfig.from_eagle_config(cfg_json)
-    model = Drafter(cfg)
-    state = load_file(str(Path(path) / "model.safetensors"))
-    state = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in state.items()}
-    state["embed_tokens.weight"] = embed_weight
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
-    model.to(dtype)
-    return model.eval(), cfg_json

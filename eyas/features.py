@@ -28,6 +28,11 @@ class Sample:
     final_hidden: torch.Tensor  # [T, H]
 
 
+def shard_bytes(tokens: int, width: int) -> int:
+    """What `tokens` tokens take in a shard: `width` hidden values each (aux + final, bf16), id (int32), mask (uint8)."""
+    return tokens * (width * 2 + 5)
+
+
 class ShardBuffer:
     """Accumulates samples and flushes a shard file when it passes `max_bytes`."""
 
@@ -38,7 +43,7 @@ class ShardBuffer:
 
     def add(self, s: Sample) -> bool:
         self.samples.append(s)
-        self.nbytes += s.aux_hidden.numel() * 2 + s.final_hidden.numel() * 2 + s.input_ids.numel() * 5
+        self.nbytes += shard_bytes(s.input_ids.numel(), s.aux_hidden.shape[-1] + s.final_hidden.shape[-1])
         return self.nbytes >= self.max_bytes
 
     def write(self, path: Path) -> int:

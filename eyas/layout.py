@@ -3,7 +3,7 @@
 Internally layers are physical boundaries out(i): the residual stream after 0-indexed decoder layer i, before the
 final norm (= Hugging Face `hidden_states[i+1]`). The default aux layers are out(1), out(L//2-1), out(L-4),
 concatenated in ascending order; that equals vLLM's and SGLang's default capture ids in(2), in(L//2), in(L-3).
-Engines number layers differently (reference/eagle3-spec.md §3):
+Engines number layers differently (docs/eagle3.md §3):
   vLLM   ids from the draft config mean "input to layer k":  k = i + 1  (no offset applied by vLLM)
   SGLang ids from the draft config mean "output of layer k": k = i      (SGLang adds 1 itself)
 The training label is the target's final post-norm hidden state; the target's lm_head turns it into logits.

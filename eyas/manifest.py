@@ -13,8 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from eyas.confine import redact
 from eyas.store import Artifact
 
 MANIFEST = "manifest.json"
@@ -25,8 +26,40 @@ class FileEntry(BaseModel):
     bytes: int
 
 
+class DatasetFacts(BaseModel):
+    """What the extractor reads from a dataset: which target's chat template the conversations are for."""
+    target: str
+    tokenizer_hash: str  # tokenizer vocabulary + chat template (eyas.target.tokenizer_hash)
+    endpoint: str | None = None  # where they were generated (None: in-process); never with credentials
+
+    @field_validator("endpoint")
+    @classmethod
+    def _no_secret(cls, v: str | None) -> str | None:
+        return redact(v)  # a checked spec has none to carry; a manifest is read by everyone who reads the data
+    # the chat template's kwargs at generation (e.g. enable_thinking): extraction renders with the same
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+class FeaturesFacts(BaseModel):
+    """What the trainer reads from features beside their layout: how the conversations were rendered."""
+    chat_template_kwargs: dict[str, Any] = {}  # the dataset's, used to render every sample
+
+
+class DrafterFacts(BaseModel):
+    """What the evaluator reads from a drafter beside its layout: how it was trained."""
+    target: str
+    ttt_steps: int  # draft positions trained (the evaluator measures at least these)
+    val_every: int  # sample i of the features is validation iff i % val_every == 0 (eyas.features.is_validation)
+    draft_vocab_size: int
+    # the chat template's kwargs its data was rendered with: the evaluator renders prompts with them, and the
+    # server must too (the report says so)
+    chat_template_kwargs: dict[str, Any] = {}
+    # engine → why it cannot serve this drafter (e.g. SGLang's aux-id offset); absent engines serve it
+    unsupported_engines: dict[str, str] = {}
+
+
 class Manifest(BaseModel):
-    kind: str  # dataset | features | drafter | report | prompts
+    kind: str  # dataset | features | drafter | report
     id: str
     created_at: float = Field(default_factory=time.time)
     code_version: str = Field(default_factory=lambda: code_version())
@@ -34,8 +67,12 @@ class Manifest(BaseModel):
     inputs: list[str] = []
     counts: dict[str, int] = {}
     files: dict[str, FileEntry] = {}
-    layout: dict[str, Any] | None = None
-    extra: dict[str, Any] = {}
+    layout: dict[str, Any] | None = None  # features and drafters: eyas.layout.Layout.to_dict()
+    metrics: dict[str, Any] = {}  # the stage's summary numbers; also the job's metrics when a redelivery reuses it
+    dataset: DatasetFacts | None = None  # kind "dataset"
+    features: FeaturesFacts | None = None  # kind "features"
+    drafter: DrafterFacts | None = None  # kind "drafter"
+    extra: dict[str, Any] = {}  # anything stage-specific that no other stage reads
 
 
 class IncompleteArtifact(RuntimeError):

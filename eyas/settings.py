@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# the compose file's vLLM service: the one endpoint a service sends jobs' requests to unless configured otherwise
+SERVICE_ENDPOINT = "http://vllm:8000"
 
 
 class Settings(BaseSettings):
@@ -28,7 +31,7 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     # kombu's Redis transport gives an unacked task to another worker once its delivery is older than this.
-    # A running task renews its delivery every visibility_timeout_s / 6 (eyas.tasks), so this is how long a
+    # A running task renews its delivery every visibility_timeout_s / 6 (orchestration.tasks), so this is how long a
     # task of a dead worker (machine gone, whole worker SIGKILLed) waits before it runs again, not a cap on
     # task length. (A task whose pool process alone dies is requeued at once: task_reject_on_worker_lost.)
     visibility_timeout_s: float = Field(60.0, gt=0)
@@ -39,8 +42,35 @@ class Settings(BaseSettings):
     # maximum per endpoint) allows; more workers, more in flight, up to that maximum.
     worker_max_in_flight: int = Field(256, ge=1)
 
-    api_key: SecretStr | None = None
-    max_request_bytes: int = Field(1 << 20, ge=1024)  # API request bodies (job specs; data goes by URI)  # bearer key for every API when set
+    # Where the extractor, trainer and evaluator compute (eyas.device): auto = this process's GPU if CUDA is
+    # available, else the CPU; dtype auto = bfloat16 on a GPU, float32 on the CPU (a job spec's dtype wins).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    api_key: SecretStr | None = None  # bearer key for every API when set
+    max_request_bytes: int = Field(1 << 20, ge=1024)  # API request bodies (job specs; data goes by URI)
+
+    # What a job may name (eyas.confine checks every spec field that names a file, an object or a URL).
+    # Local directories whose files jobs may read (comma-separated); embedded mode adds the workdir, and the CLI
+    # the files and directories its user names. Service default: none (inputs come from the bucket).
+    input_roots: Annotated[list[Path], NoDecode] = []
+    # Buckets jobs may read besides s3_bucket (comma-separated).
+    allowed_buckets: Annotated[list[str], NoDecode] = []
+    # Base URLs jobs may send requests to (comma-separated): "*" is any http(s) URL, a port "*" any port
+    # (http://127.0.0.1:*). Default: embedded "*", service the compose vLLM service (SERVICE_ENDPOINT).
+    allowed_endpoints: Annotated[list[str] | None, NoDecode] = None
+    # Bearer key sent to those endpoints (a job spec never carries one: credentials in a URL are refused).
+    endpoint_api_key: SecretStr | None = None
+    # The evaluator's live check of its serving prediction: the command that starts vLLM's OpenAI server, to which
+    # it appends --model, --served-model-name, --host 127.0.0.1, --port and --speculative-config (e.g.
+    # "python -m vllm.entrypoints.openai.api_server --dtype float32"). It starts the servers a job did not name an
+    # endpoint for, on loopback. Only the operator sets it: a job spec never names a program (eyas.confine).
+    vllm_command: str | None = None
+
+    @field_validator("input_roots", "allowed_buckets", "allowed_endpoints", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
     @property
     def store_root(self) -> Path:

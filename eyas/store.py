@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from eyas.confine import allowed_buckets
 from eyas.keys import safe_key
 from eyas.settings import Settings
 
@@ -245,11 +246,14 @@ class Artifact:
 
 def open_artifact(uri: str, settings: Settings | None = None) -> Artifact:
     """Resolve an artifact URI (s3://bucket/prefix, file://dir or a plain directory path); an s3:// URI needs the
-    `settings` that say how to reach S3 (the caller's own: a stage's come with its context)."""
+    `settings` that say how to reach S3 (the caller's own: a stage's come with its context), and is opened only in
+    a bucket they allow — also when the URI comes from a manifest rather than a job spec (eyas.confine)."""
     if uri.startswith("s3://"):
         if settings is None:
             raise ValueError(f"{uri}: opening an s3:// artifact needs the S3 settings")
         bucket, _, prefix = uri[len("s3://"):].partition("/")
+        if bucket not in allowed_buckets(settings):
+            raise PermissionError(f"{uri}: bucket {bucket!r} is not allowed (EYAS_S3_BUCKET, EYAS_ALLOWED_BUCKETS)")
         return Artifact(S3Store(settings, bucket=bucket), prefix)
     if uri.startswith("file://"):
         from urllib.parse import unquote, urlparse

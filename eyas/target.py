@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.device import CPU, Placement
 from eyas.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class Target:
         return self.model.config
 
     @property
+    def input_device(self) -> torch.device:
+        """Where its inputs go (a spread target's first GPU): the embedding's device."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
@@ -121,17 +127,39 @@ def load_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(resolve_target(target))
 
 
-def load_target(target: str = BUNDLED, dtype: torch.dtype = torch.float32, device: str | None = None) -> Target:
-    """Load a Llama/Qwen-family causal LM for inference. On GPUs, `device_map="auto"` spreads it over them."""
+# A target whose weights take at most this share of one GPU's memory sits on that GPU (in extraction, one replica
+# per GPU); the rest is left for activations and the KV cache. A larger one is spread over every visible GPU.
+FIT_SHARE = 0.8
+
+
+def device_map(weight_bytes: int, gpu_bytes: int, device: torch.device) -> dict[str, torch.device] | str:
+    """transformers' device_map for a target of `weight_bytes` on GPUs of `gpu_bytes` each: all of it on
+    `device` when it fits, else "auto" (layers spread over the visible GPUs, activations handed between them)."""
+    return {"": device} if weight_bytes <= FIT_SHARE * gpu_bytes else "auto"
+
+
+def weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The target's weights in `dtype`, counted on the meta device (no memory, no file read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def load_target(target: str = BUNDLED, placement: Placement = CPU) -> Target:
+    """Load a Llama/Qwen-family causal LM for inference, in `placement.dtype`, on `placement.device` — or, on
+    GPUs, spread over all of them when it does not fit one (`device_map`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target(target)
-    kwargs: dict = {"dtype": dtype}
-    if device is None and torch.cuda.is_available():
-        kwargs["device_map"] = "auto"
+    kwargs: dict = {"dtype": placement.dtype}
+    if placement.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(placement.device).total_memory
+        kwargs["device_map"] = device_map(weight_bytes(path, placement.dtype), gpu, placement.device)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if device is not None:
-        model.to(device)
+    if placement.device.type != "cuda":
+        model.to(placement.device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     for attr in ("layers", "norm", "embed_tokens"):

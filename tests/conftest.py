@@ -57,11 +57,13 @@ _buckets = itertools.count()
 
 @pytest.fixture
 def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> ServiceEnv:
+    """Jobs may read the test's own tmp_path and send requests to loopback servers (vLLM, proxies, fakes) on any
+    port; tests of confinement narrow these (tests/test_hostile.py)."""
     redis.Redis.from_url(redis_url).flushdb()
     values = {
         "mode": "service", "redis_url": redis_url, "s3_endpoint": s3_endpoint, "s3_access_key": S3_ACCESS,
         "s3_secret_key": S3_SECRET, "s3_bucket": f"eyas-test-{os.getpid()}-{next(_buckets)}",
-        "workdir": str(tmp_path / "work"),
+        "workdir": str(tmp_path / "work"), "input_roots": str(tmp_path), "allowed_endpoints": "http://127.0.0.1:*",
         # short, so a dead worker's task comes back within seconds in the tests
         "visibility_timeout_s": "3", "unacked_restore_interval_s": "0.5",
     }
@@ -103,7 +105,7 @@ class Proc:
 def _spawn(args: list[str], env: dict[str, str], name: str, logdir: Path) -> Proc:
     log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=logdir)[1])
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return Proc(proc=proc, log=log)
 

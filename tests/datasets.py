@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eyas.manifest import ArtifactWriter, Manifest
+from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest
 from eyas.store import Artifact, LocalStore
 from eyas.target import BUNDLED, load_tokenizer, tokenizer_hash
 
@@ -22,11 +22,18 @@ def write_dataset(directory: Path, conversations=CONVERSATIONS, tok_hash: str | 
     records = [{"id": f"t{i}", "source": "test",
                 "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
                for i, (q, a) in enumerate(conversations)]
+    return write_records(directory, records, tok_hash=tok_hash)
+
+
+def write_records(directory: Path, records: list[dict], target: str = BUNDLED, tok_hash: str | None = None,
+                  chat_template_kwargs: dict | None = None) -> str:
+    """A dataset artifact of conversation records ({"id", "messages"}) generated for `target`."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = ArtifactWriter(Artifact(LocalStore(directory)))
     writer.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
     if tok_hash is None:
-        tok_hash = tokenizer_hash(load_tokenizer(BUNDLED))
+        tok_hash = tokenizer_hash(load_tokenizer(target))
     writer.commit(Manifest(kind="dataset", id="test", counts={"conversations": len(records)},
-                           extra={"target": BUNDLED, "tokenizer_hash": tok_hash}))
+                           dataset=DatasetFacts(target=target, tokenizer_hash=tok_hash,
+                                                chat_template_kwargs=chat_template_kwargs or {})))
     return str(directory)

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy for tests: it sits in front of a real OpenAI-compatible endpoint and, at set
-rates, delays past the client's timeout, answers 429 with Retry-After, 500 or 503, resets the connection, or
-truncates the response body; optionally adds a fixed latency to every request. It also measures how many requests
-are in flight at the endpoint at once, and when each completion ended.
+rates, hangs past the client's timeout (then drops the connection, never answering), answers 429 with Retry-After,
+500 or 503, resets the connection, or truncates the response body; optionally adds a fixed latency to every request.
+It also measures how many completions are in flight at the endpoint at once, and when each ended (other requests,
+such as the throttle's reads of /metrics, pass through uncounted).
 
 Runs its own event loop in a thread; `with FaultProxy(upstream, rates) as url:`.
 """
@@ -22,13 +23,27 @@ FAULTS = ("delay", "429", "500", "503", "reset", "truncate")
 class FaultProxy:
     upstream: str
     rates: dict[str, float] = field(default_factory=dict)  # fault → probability per request
-    delay_s: float = 5.0  # for "delay": longer than the client's timeout in the test
+    delay_s: float = 5.0  # for "delay": how long the request hangs before its connection drops (past the timeout)
+    retry_after: str = "1"  # the 429's Retry-After, in seconds
     latency_s: float = 0.0  # added to every forwarded request: an endpoint whose capacity outruns its latency
     cycle: int = 25  # faults are spread evenly: in every `cycle` requests a fault of rate r occurs r·cycle times
     counts: Counter = field(default_factory=Counter)  # injected faults and forwarded requests
     max_in_flight: int = 0  # at the upstream
     in_flight: int = 0
     completed_at: list[float] = field(default_factory=list)  # monotonic end time of each forwarded completion
+    in_flight_steps: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, in flight from then)
+
+    def mean_in_flight(self, start: float, end: float) -> float:
+        """Completions in flight at the upstream, averaged over [start, end) (monotonic times)."""
+        total, level, at = 0.0, 0, start
+        for t, n in self.in_flight_steps:
+            if t >= end:
+                break
+            if t > at:
+                total += level * (t - at)
+                at = t
+            level = n
+        return (total + level * (end - at)) / (end - start)
 
     def __post_init__(self):
         unknown = set(self.rates) - set(FAULTS)
@@ -78,22 +93,27 @@ class FaultProxy:
                     writer.transport.abort()
                     return
                 if fault in ("429", "500", "503"):
-                    extra = {"retry-after": "1"} if fault == "429" else {}
+                    extra = {"retry-after": self.retry_after} if fault == "429" else {}
                     writer.write(self._response(int(fault), b'{"error": "injected"}', extra))
                     await writer.drain()
                     continue
-                if fault == "delay":
+                if fault == "delay":  # a hung server: the endpoint never sees the request, so no work is wasted there
                     await asyncio.sleep(self.delay_s)
-                self.in_flight += 1
+                    writer.transport.abort()
+                    return
+                completion = path.endswith("/completions")
+                self.in_flight += completion
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                self.in_flight_steps.append((time.monotonic(), self.in_flight))
                 try:
-                    await asyncio.sleep(self.latency_s)
+                    await asyncio.sleep(self.latency_s if completion else 0.0)
                     resp = await self._client.request(method, self.upstream + path, content=body,
                                                       headers={"content-type": headers.get("content-type", "")})
                 finally:
-                    self.in_flight -= 1
-                self.counts["forwarded"] += 1
-                if path.endswith("/completions"):
+                    self.in_flight -= completion
+                    self.in_flight_steps.append((time.monotonic(), self.in_flight))
+                if completion:
+                    self.counts["forwarded"] += 1
                     self.completed_at.append(time.monotonic())
                 if fault == "truncate":
                     writer.write(self._response(resp.status_code, resp.content[: len(resp.content) // 2],
@@ -116,7 +136,9 @@ class FaultProxy:
             asyncio.set_event_loop(self._loop)
 
             async def start():
-                self._client = httpx.AsyncClient(timeout=600)
+                # no connection cap: the proxy must not be what limits concurrency at the endpoint
+                self._client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None,
+                                                                                  max_keepalive_connections=None))
                 self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
                 self.port = self._server.sockets[0].getsockname()[1]
                 ready.set()

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -157,8 +158,9 @@ def s3_server() -> Iterator[str]:
 
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
-                served_name: str = "target", timeout: float = 420) -> Iterator[str]:
-    """Real vLLM on CPU (fp32, eager: ready in about a minute) serving `model_dir`. Yields the base URL."""
+                served_name: str = "target", timeout: float = 420, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """Real vLLM on CPU (fp32, eager: ready in about a minute) serving `model_dir`, with `extra_args` on its command
+    line (e.g. a reasoning parser). Yields the base URL."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} missing: run scripts/install-vllm.sh")
     port = free_port()
@@ -170,13 +172,19 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
            "--seed", "0"]
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
+    cmd += list(extra_args)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("PYTHONPATH", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, "vLLM", proc, log)
+        try:
+            _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, "vLLM", proc, log)
+        except (RuntimeError, TimeoutError) as e:  # the root cause is often far above the log's tail
+            causes = [line for line in log.read_text(errors="replace").splitlines()
+                      if re.search(r"\w(Error|Exception): ", line) and " WARNING " not in line]
+            raise type(e)(f"{e}\nroot cause: {causes[0] if causes else 'none logged'}") from None
         yield url
     finally:
         _stop(proc)

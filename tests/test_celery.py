@@ -151,6 +151,14 @@ def _check_redelivered_job(service, store, job, job_id, tmp_path, log: str) -> N
     assert set(journaled) == set(ids)  # every sample journaled exactly once, across both runs
     resumed = re.search(r"resuming: (\d+) of (\d+) prompts already finished", log)
     assert resumed and int(resumed[1]) >= 2 and int(resumed[2]) == N_PROMPTS, log[-3000:]
+    # the record adds up: every prompt done, those of the first run counted as resumed, all their tokens, and a
+    # rate from the tokens this run generated
+    assert job["progress"] == {"done": N_PROMPTS, "total": N_PROMPTS, "unit": "prompts"}
+    metrics = job["metrics"]
+    assert metrics["completed"] == N_PROMPTS and metrics["resumed"] == int(resumed[1])
+    assert metrics["completion_tokens"] == sum(t["completion_tokens"] for r in records for t in r["turns"])
+    assert (metrics["tokens_per_s"] > 0) == (metrics["resumed"] < N_PROMPTS), metrics
+    assert "traceback" not in metrics
 
 
 def test_killed_worker_task_runs_again_on_a_new_worker(service_settings, vllm_url, api_process, worker_process,

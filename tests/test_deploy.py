@@ -1,12 +1,16 @@
 """docker-compose.yml is complete and consistent (no Docker engine runs here, so it is validated as data)."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from eyas.stages import STAGE_ORDER
+from orchestration.registry import STAGE_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +38,9 @@ def test_every_stage_has_an_api_and_a_worker_on_its_queue(compose):
             assert env["EYAS_REDIS_URL"].startswith("redis://redis:")
             assert env["EYAS_S3_ENDPOINT"].startswith("minio:")
             assert 30 <= int(env["EYAS_VISIBILITY_TIMEOUT_S"]) <= 600  # a dead worker's task returns in minutes
+            # jobs read the bucket and the mounted models, and send requests to the vLLM services only
+            assert env["EYAS_ALLOWED_ENDPOINTS"] == "${EYAS_ALLOWED_ENDPOINTS:-http://vllm:8000,http://vllm-spec:8000}"
+            assert env["EYAS_INPUT_ROOTS"] == "${EYAS_INPUT_ROOTS:-/models}"
             assert "healthcheck" in svc and svc.get("restart") == "unless-stopped"
             assert any(v.startswith("eyas-work:") for v in svc["volumes"])
         assert "container_name" not in worker  # scalable with --scale
@@ -41,7 +48,7 @@ def test_every_stage_has_an_api_and_a_worker_on_its_queue(compose):
 
 def test_gpu_workers_reserve_gpus_and_are_placed_on_gpu_nodes(compose):
     services = compose["services"]
-    for name in ("extractor-worker", "trainer-worker", "evaluator-worker", "vllm"):
+    for name in ("extractor-worker", "trainer-worker", "evaluator-worker", "vllm", "vllm-spec"):
         assert _gpu(services[name]), name
         assert "node.labels.eyas.gpu == true" in services[name]["deploy"]["placement"]["constraints"]
     assert not _gpu(services["generator-worker"]) and not _gpu(services["generator-api"])
@@ -55,7 +62,71 @@ def test_infrastructure(compose):
     for name in ("redis", "minio", "vllm"):
         assert "healthcheck" in services[name]
     assert services["generator-worker"]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
-    assert {"redis-data", "minio-data", "eyas-work"} <= set(compose["volumes"])
-    for dockerfile in ("deploy/Dockerfile", "deploy/Dockerfile.cuda"):
-        text = (REPO / dockerfile).read_text()
-        assert "torch==2.13.0" in text and 'ENTRYPOINT ["eyas"]' in text and "USER eyas" in text
+    assert {"redis-data", "minio-data", "eyas-work", "drafter"} <= set(compose["volumes"])
+    # the latest drafter beside the plain target: drafter-sync fills the volume vllm-spec serves from
+    sync, spec = services["drafter-sync"], services["vllm-spec"]
+    assert "drafter:/drafter" in sync["volumes"] and "drafter:/drafter:ro" in spec["volumes"]
+    assert "--speculative-config" in spec["command"][0] and '\\"model\\": \\"/drafter/eagle\\"' in spec["command"][0]
+    # Flower shows every task's arguments: basic auth from .env (no default), published on loopback only
+    flower = services["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert all(p.startswith("127.0.0.1:") for p in flower["ports"])
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, its arguments) per Dockerfile instruction, continuation lines joined, comments dropped."""
+    lines = dockerfile.read_text().replace("\\\n", " ").splitlines()
+    return [(op.upper(), rest.strip()) for op, _, rest in
+            (line.strip().partition(" ") for line in lines if line.strip() and not line.lstrip().startswith("#"))]
+
+
+def test_one_dockerfile_builds_the_cpu_and_the_cuda_image(compose):
+    """What can be checked without a Docker daemon: the base has the Python the project pins, torch comes from the
+    index the build argument names at the pinned version, every COPY source exists, and the entry point and every
+    command compose gives it exist."""
+    from orchestration.cli import build_parser
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    python = re.fullmatch(r">=(3\.\d+),<3\.\d+", project["project"]["requires-python"]).group(1)
+    assert f"python{python} -m venv" in (REPO / "Makefile").read_text()
+    [torch_pin] = [d for d in project["project"]["dependencies"] if d.startswith("torch==")]
+
+    built = {name: svc for name, svc in compose["services"].items() if "build" in svc}
+    assert {svc["build"]["dockerfile"] for svc in built.values()} == {"deploy/Dockerfile"}
+    dockerfile = _instructions(REPO / "deploy/Dockerfile")
+    [base] = [arg for op, arg in dockerfile if op == "FROM"]
+    assert re.fullmatch(rf"python:{re.escape(python)}(\.\d+)?-slim", base), base  # the official image
+    declared = {arg.partition("=")[0] for op, arg in dockerfile if op == "ARG"}
+    for name, svc in built.items():
+        assert set(svc["build"]["args"]) <= declared, name
+        # CUDA PyTorch exactly where GPUs are reserved, each variant under its own tag
+        variant = svc["build"]["args"]["TORCH"]
+        assert re.fullmatch(r"cpu|cu\d{3}", variant) and (variant != "cpu") == _gpu(svc), name
+        assert svc["image"] == ("eyas:cpu" if variant == "cpu" else "eyas:cuda"), name
+    assert any(op == "RUN" and f"--index-url https://download.pytorch.org/whl/${{TORCH}} {torch_pin}" in arg
+               for op, arg in dockerfile)
+
+    copied = set()
+    for op, arg in dockerfile:
+        if op == "COPY":
+            *sources, _dest = arg.split()
+            for source in sources:
+                assert (REPO / source).exists(), source
+            copied |= set(sources)
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied  # every package pyproject installs is in the image
+
+    assert [json.loads(arg) for op, arg in dockerfile if op == "ENTRYPOINT"] == [["eyas"]]
+    assert project["project"]["scripts"]["eyas"] == "orchestration.cli:main"
+    assert ("USER", "eyas") in dockerfile
+    for name, svc in built.items():
+        if svc.get("entrypoint") == ["torchrun"]:  # a module torchrun runs in every process
+            assert importlib.util.find_spec(svc["command"][svc["command"].index("-m") + 1]) is not None, name
+            continue
+        build_parser().parse_args(svc["command"])  # argparse exits on a command the CLI does not have
+        probe = svc["healthcheck"]["test"]
+        if "celery" in probe:
+            assert importlib.util.find_spec(probe[probe.index("-A") + 1]) is not None, name
+        else:
+            assert probe[1] == "curl" and any(op == "RUN" and "install" in arg and " curl " in arg
+                                              for op, arg in dockerfile), name

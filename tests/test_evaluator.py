@@ -10,16 +10,16 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from eyas.drafter import load_drafter
-from eyas.embedded import Embedded
+from eyas.exports import load_drafter
+from orchestration.embedded import EmbeddedRunner
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
 from services.evaluator import report as reports
-from services.evaluator.specdec import eval_prompts, evaluate
-from services.trainer.core import CPU_PRESET
+from services.evaluator.specdec import eval_prompts, measure_acceptance
+from services.trainer.spec import CPU_PRESET
 
 
 PROMPTS = [
@@ -45,11 +45,12 @@ def local_path(uri: str) -> Path:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """Embedded generate → extract → train of a small drafter on the bundled target; returns (Embedded, drafter URI,
+    """Embedded generate → extract → train of a small drafter on the bundled target; returns (runner, drafter URI,
     prompt file)."""
     work = tmp_path_factory.mktemp("eyas-eval")
     prompts = write_prompts(work / "prompts.jsonl", PROMPTS[:4])
-    emb = Embedded(Settings(workdir=work / "eyas"))
+    # the tests' own temporary directories hold the files they name
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp()]))
     jobs = emb.run_job("generate", {
         "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": 32, "temperature": 0.0},
         "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 4, "warmup": 1, "val_every": 4,
@@ -62,7 +63,8 @@ def pipeline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def evaluated(pipeline):
     emb, drafter, _ = pipeline
-    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 24})
+    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 24,
+                                     "second_num_prompts": 2})
     assert job.state == "succeeded", job.error
     return job, drafter
 
@@ -92,11 +94,23 @@ def test_report_artifact_has_the_contract_fields_and_plots(evaluated):
 
     # teacher-forced accuracy on the validation split, measured the same way the trainer validated
     acc = report["per_position_accuracy"]
-    assert len(acc) == drafter_manifest.extra["ttt_steps"] and all(0.0 <= a <= 1.0 for a in acc)
+    assert len(acc) == drafter_manifest.drafter.ttt_steps and all(0.0 <= a <= 1.0 for a in acc)
     assert report["features"]["split"] == "validation" and report["features"]["samples"] > 0
-    assert acc == pytest.approx(drafter_manifest.extra["metrics"]["val_acc"], abs=1e-6)
+    assert acc == pytest.approx(drafter_manifest.metrics["val_acc"], abs=1e-6)
+
+    # per position, measured against what the accuracies predict (Π of the accuracies up to it)
+    gap = report["acceptance_gap"]
+    assert gap["expected"] == pytest.approx([acc[0], acc[0] * acc[1], acc[0] * acc[1] * acc[2]])
+    assert gap["measured"] == report["per_position_acceptance"]
+    assert gap["ratio"][0] == pytest.approx(gap["measured"][0] / gap["expected"][0], abs=1e-3)
+    # the second held-out set: ShareGPT first turns, scored the same way
+    second = report["second_set"]
+    assert second["source"] == "bundled:sharegpt" and second["count"] == 2
+    assert second["acceptance_length"] >= 1.0 and len(second["per_position_acceptance"]) == 3
+    assert job.metrics["second_set_acceptance_length"] == second["acceptance_length"]
 
     page = out.get_bytes("report.html").decode()
+    assert "τ on the second held-out set" in page and "on 2 prompts of bundled:sharegpt" in page
     for png in ("acceptance.png", "loss.png", "accuracy.png"):
         assert f"src='{png}'" in page
         assert out.get_bytes(png)[:8] == b"\x89PNG\r\n\x1a\n"
@@ -109,7 +123,7 @@ def test_speculative_output_equals_plain_greedy_and_counts_like_vllm(pipeline):
     layout = Layout.from_dict(read_manifest(open_artifact(drafter)).layout)
     prompts = eval_prompts(target.tokenizer, str(prompt_file), limit=2)
     for k in (1, 4):
-        r = evaluate(target, d, layout.aux_layers, prompts, k, 16)
+        r = measure_acceptance(target, d, layout.aux_layers, prompts, k, 16)
         assert r["matches_greedy"], r["greedy_mismatches"]
         for p in r["per_prompt"]:
             # one token from the prefill, then accepted + 1 per verify round, cut at a stop token or max_new_tokens

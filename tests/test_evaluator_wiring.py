@@ -14,7 +14,7 @@ from eyas.layout import EMBED, Layout
 from eyas.target import BUNDLED, load_target
 from services.evaluator.wiring import WiringMismatch, check_wiring
 from services.extractor.core import layout_for
-from services.trainer.export import export_drafter
+from eyas.exports import export_drafter
 from services.trainer.train import drafter_config
 
 
@@ -25,9 +25,9 @@ def target():
 
 def export(target, dest: Path) -> Path:
     """A small drafter for the bundled target (default layout), exported by the trainer: eagle/ + speculators/."""
-    drafter = Drafter(drafter_config(BUNDLED, 64))
+    drafter = Drafter(drafter_config(BUNDLED, 64, layout_for(target, None)))
     drafter.set_vocab(torch.arange(64))
-    export_drafter(drafter.cfg, drafter.trainable_state_dict(), layout_for(target, None), dest, "float32",
+    export_drafter(drafter.cfg, drafter.state_dict(), layout_for(target, None), dest, "float32",
                    {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}, 3)
     return dest
 
@@ -40,7 +40,7 @@ def edit_config(path: Path, **changes) -> None:
 
 
 def as_layout(d: Path, layout: Layout) -> None:
-    """Re-label an export as trained on `layout`, with the aux ids each engine needs for it (spec §3.4)."""
+    """Re-label an export as trained on `layout`, with the aux ids each engine needs for it (docs/eagle3.md §3.4)."""
     edit_config(d / "eagle" / "config.json", eyas_layout=layout.to_dict(),
                 eagle_aux_hidden_state_layer_ids=layout.vllm_ids,
                 eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layout.sglang_ids})

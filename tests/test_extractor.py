@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from eyas.embedded import Embedded
+from orchestration.embedded import EmbeddedRunner
 from eyas.features import FeatureReader
 from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout, LayoutMismatch, default_aux_layers
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
-from services.extractor.capture import capture
+from eyas.capture import capture
 from services.extractor.core import layout_for
 from tests.datasets import write_dataset
 
@@ -42,7 +42,7 @@ def test_capture_equals_the_targets_own_hidden_states(target):
 
 def test_extract_writes_layout_checked_shards(tmp_path):
     data = write_dataset(tmp_path / "data")
-    job = Embedded(Settings(workdir=tmp_path / "w")).run_job(
+    job = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
         "extract", {"data": data, "shard_mb": 1}, output_dir=tmp_path / "feat")[0]
     assert job.state == "succeeded"
     art = open_artifact(str(tmp_path / "feat"))
@@ -68,7 +68,7 @@ def test_extract_writes_layout_checked_shards(tmp_path):
 def test_wrong_tokenizer_dataset_refused(tmp_path):
     data = write_dataset(tmp_path / "data", tok_hash="0123456789abcdef")
     with pytest.raises(ValueError, match="tokenizer/template"):
-        Embedded(Settings(workdir=tmp_path / "w")).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
     assert not (tmp_path / "f" / "manifest.json").exists()
 
 
@@ -77,7 +77,7 @@ def test_overlong_and_empty_policies_are_counted(tmp_path):
     data = write_dataset(tmp_path / "data", conversations=convs)
     for policy, samples in (("truncate", 2), ("skip", 1)):
         out = tmp_path / policy
-        Embedded(Settings(workdir=tmp_path / "w")).run_job(
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
             "extract", {"data": data, "max_length": 60, "overlong": policy}, output_dir=out)
         counts = json.loads((out / "manifest.json").read_text())["counts"]
         assert counts["samples"] == samples and counts["skipped_empty"] == 1
@@ -85,18 +85,59 @@ def test_overlong_and_empty_policies_are_counted(tmp_path):
 
 
 def test_nan_activation_fails_naming_the_sample(tmp_path, monkeypatch):
-    import services.extractor.core as core
+    import services.extractor.shards as shards
 
-    real = core.capture
+    real = shards.capture
 
-    def poisoned(target, layout, ids, attn):  # fault injection: a NaN in one activation
-        aux, final = real(target, layout, ids, attn)
+    def poisoned(target, layout, ids, attn, **kw):  # fault injection: a NaN in one activation
+        aux, final = real(target, layout, ids, attn, **kw)
         aux = aux.clone()
         aux[0, 0, 0] = float("nan")
         return aux, final
 
-    monkeypatch.setattr(core, "capture", poisoned)
+    monkeypatch.setattr(shards, "capture", poisoned)
     data = write_dataset(tmp_path / "data", conversations=[("Hi", "Hello!")])
     with pytest.raises(ValueError, match="sample 't0'.*NaN"):
-        Embedded(Settings(workdir=tmp_path / "w")).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
     assert not (tmp_path / "f" / "manifest.json").exists()
+
+
+REASONING_CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "reasoning_content": "Add two and two.", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "reasoning_content": "Add three and three.", "content": "6"}]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_reasoning_turns_become_the_samples_the_server_saw(tmp_path, thinking):
+    """A tiny Qwen3 target (its template drops earlier reasoning): a two-turn conversation with reasoning becomes
+    one sample per turn, rendered with the dataset's chat template kwargs, which the features record. With
+    thinking off, reasoning cannot have been generated: that conversation is skipped and counted."""
+    from eyas.render import render_conversation
+    from tests.datasets import write_records
+    from tests.families import FAMILIES, build_target
+
+    target = str(build_target(FAMILIES["qwen3"], tmp_path / "qwen3"))
+    kwargs = {"enable_thinking": thinking}
+    records = [{"id": "a", "messages": REASONING_CONVERSATION},
+               {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]}]
+    data = write_records(tmp_path / "data", records, target=target, chat_template_kwargs=kwargs)
+    [job] = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
+        "extract", {"data": data, "target": target}, output_dir=tmp_path / "feat")
+    assert job.state == "succeeded", job.error
+    art = open_artifact(str(tmp_path / "feat"))
+    m = read_manifest(art, kind="features")
+    assert m.features.chat_template_kwargs == kwargs
+    ids = art.get_bytes("samples.txt").decode().split()
+    if thinking:
+        assert sorted(ids) == ["a", "a#1", "b"] and m.counts["split_conversations"] == 1
+    else:
+        assert ids == ["b"] and m.counts["skipped_unrenderable"] == 1
+    # each stored sample is exactly what eyas.render makes of its conversation with the dataset's kwargs
+    tok = load_target(target).tokenizer
+    expected = {rid: r.input_ids for rec in records if rec["id"] in {i.split("#")[0] for i in ids}
+                for n, r in enumerate(render_conversation(tok, rec["messages"], kwargs))
+                for rid in [rec["id"] if n == 0 else f"{rec['id']}#{n}"]}
+    stored = dict(zip(ids, FeatureReader(art).samples(), strict=True))
+    assert {k: s.input_ids.tolist() for k, s in stored.items()} == expected

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from eyas.features import FeatureReader
-from eyas.jobs import RedisJobStore
-from eyas.pipeline import execute, submit
+from orchestration.jobs import RedisJobStore
+from orchestration.execution import execute, submit
 from eyas.store import S3Store, open_artifact
 from tests.datasets import write_dataset
 
@@ -22,7 +22,7 @@ def test_extract_job_on_redis_and_s3(tmp_path, service_settings, monkeypatch):
         store.put_file(f"datasets/upload/{f.name}", f)
     queued: list[tuple[str, str]] = []
     job = submit("extract", {"data": f"s3://{settings.s3_bucket}/datasets/upload", "then": ["train"]}, jobs,
-                 lambda stage, job_id: queued.append((stage, job_id)))
+                 lambda stage, job_id: queued.append((stage, job_id)), settings)
     assert queued == [("extract", job.id)]
     done = execute(job.id, jobs, store, settings, lambda stage, job_id: queued.append((stage, job_id)))
     assert done.state == "succeeded", done.error

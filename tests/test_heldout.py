@@ -7,7 +7,7 @@ from eyas.manifest import ArtifactWriter, Manifest
 from eyas.settings import Settings
 from eyas.store import Artifact, LocalStore
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
-from services.generator.dataset import bundled_prompt_file, load_prompts
+from eyas.prompts import bundled_prompt_file, load_prompts
 from tests.datasets import write_dataset
 
 

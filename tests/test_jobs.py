@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from eyas.jobs import (
+from orchestration.jobs import (
     ALLOWED,
     IllegalTransition,
     JobNotFound,

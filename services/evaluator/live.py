@@ -58,26 +58,31 @@ def parse_counters(text: str) -> SpecCounters:
     return SpecCounters(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED], per_pos)
 
 
-def read_counters(url: str, settle_s: float = 0.5, timeout_s: float = 15.0) -> SpecCounters:
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def read_counters(url: str, settle_s: float = 0.5, timeout_s: float = 15.0, api_key: str | None = None) -> SpecCounters:
     """Counters once they stop moving: vLLM records a step's stats just after it returns the step's output."""
     deadline = time.monotonic() + timeout_s
-    last = parse_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+    last = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=_headers(api_key)).text)
     while time.monotonic() < deadline:
         time.sleep(settle_s)
-        now = parse_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+        now = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=_headers(api_key)).text)
         if now == last:
             return now
         last = now
     return last
 
 
-def served_model(url: str) -> str:
-    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+def served_model(url: str, api_key: str | None = None) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10, headers=_headers(api_key)).json()["data"][0]["id"]
 
 
-async def _run(url: str, model: str, prompts: list[PromptIds], max_tokens: int, concurrency: int) -> list[list[int]]:
+async def _run(url: str, model: str, prompts: list[PromptIds], max_tokens: int, concurrency: int,
+               api_key: str | None) -> list[list[int]]:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0 + max_tokens * 2.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0 + max_tokens * 2.0), headers=_headers(api_key)) as client:
         async def one(p: PromptIds) -> list[int]:
             async with sem:
                 r = await client.post(f"{url}/v1/completions", json={
@@ -88,32 +93,34 @@ async def _run(url: str, model: str, prompts: list[PromptIds], max_tokens: int, 
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def generate(url: str, prompts: list[PromptIds], max_tokens: int, concurrency: int = 1,
-             counters: bool = False) -> dict:
+def timed_completions(url: str, prompts: list[PromptIds], max_tokens: int, concurrency: int = 1,
+             counters: bool = False, api_key: str | None = None) -> dict:
     """Greedy completions of token-id prompts after one untimed warm-up request: outputs, completion tokens,
     tok/s, and with `counters` the server's spec-decode acceptance over exactly this run."""
-    model = served_model(url)
-    asyncio.run(_run(url, model, prompts[:1], 8, 1))
-    before = read_counters(url) if counters else None
+    model = served_model(url, api_key)
+    asyncio.run(_run(url, model, prompts[:1], 8, 1, api_key))
+    before = read_counters(url, api_key=api_key) if counters else None
     t0 = time.perf_counter()
-    outputs = asyncio.run(_run(url, model, prompts, max_tokens, concurrency))
+    outputs = asyncio.run(_run(url, model, prompts, max_tokens, concurrency, api_key))
     seconds = time.perf_counter() - t0
     tokens = sum(len(o) for o in outputs)
     result = {"url": url, "model": model, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
               "concurrency": concurrency, "outputs": outputs}
     if before is not None:
-        result.update((read_counters(url) - before).summary())
+        result.update((read_counters(url, api_key=api_key) - before).summary())
     return result
 
 
 def live_ab(prompts: list[PromptIds], max_tokens: int, endpoint: str | None, spec_endpoint: str | None,
-            concurrency: int = 1) -> dict:
-    """Baseline (endpoint) and speculative (spec_endpoint) runs, each optional; speed-up when both ran."""
+            concurrency: int = 1, api_key: str | None = None) -> dict:
+    """Baseline (endpoint) and speculative (spec_endpoint) runs, each optional; speed-up when both ran. `api_key`
+    (the settings' endpoint key) goes to both as a bearer token."""
     out: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "concurrency": concurrency}
     if endpoint:
-        out["baseline"] = generate(endpoint, prompts, max_tokens, concurrency)
+        out["baseline"] = timed_completions(endpoint, prompts, max_tokens, concurrency, api_key=api_key)
     if spec_endpoint:
-        out["speculative"] = generate(spec_endpoint, prompts, max_tokens, concurrency, counters=True)
+        out["speculative"] = timed_completions(spec_endpoint, prompts, max_tokens, concurrency, counters=True,
+                                               api_key=api_key)
     if endpoint and spec_endpoint:
         out["speedup"] = out["speculative"]["tok_s"] / out["baseline"]["tok_s"]
         out["outputs_equal"] = out["speculative"]["outputs"] == out["baseline"]["outputs"]

@@ -3,7 +3,14 @@
 report.json keys (REQUIRED are always present; the others when measured):
   target, layout, k, per_position_accuracy, acceptance_length, per_position_acceptance, exports   REQUIRED
   live            vLLM A/B: baseline / speculative tok/s, speed-up, τ and per-position acceptance from /metrics
+  serve_with      the chat template kwargs (e.g. enable_thinking) the server must render prompts with
   wiring, in_process, expected_acceptance_length, drafter, features, prompts, training
+  compute         the device the target and drafter ran on, and their dtype
+  serving         will it speed up serving (services/evaluator/serving.py): measured step times (target_s, drafter_s,
+                  source), τ per K (tau_per_k), predicted tok/s and speed-up per concurrency and K (table), the best
+                  K per concurrency (best), break_even_concurrency, speculative_config (the exact
+                  --speculative-config value), decision (one line), and live_check (measured vs predicted speed-up) with
+                  live_endpoints (the servers it ran against; "started": those the evaluator started and stopped)
 """
 from __future__ import annotations
 
@@ -21,13 +28,19 @@ REQUIRED = ("target", "layout", "k", "per_position_accuracy", "acceptance_length
             "exports")
 
 
-def expected_acceptance_length(accuracy: list[float], k: int) -> float:
-    """τ ≈ 1 + Σ_{i<k} Π_{j≤i} a_j from per-step accuracies (spec §6.3), treating each as conditional."""
-    tau, run = 1.0, 1.0
+def expected_per_position(accuracy: list[float], k: int) -> list[float]:
+    """Per-position acceptance (vLLM's definition) expected from per-step accuracies: Π_{j≤i} a_j, treating each
+    step's teacher-forced accuracy as conditional on the steps before it being right (docs/eagle3.md §6.3)."""
+    out, run = [], 1.0
     for a in accuracy[:k]:
         run *= a
-        tau += run
-    return tau
+        out.append(run)
+    return out
+
+
+def expected_acceptance_length(accuracy: list[float], k: int) -> float:
+    """τ ≈ 1 + Σ_{i≤k} Π_{j≤i} a_j."""
+    return 1.0 + sum(expected_per_position(accuracy, k))
 
 
 def _png(fig) -> bytes:
@@ -45,6 +58,7 @@ def plot_acceptance(report: dict[str, Any]) -> bytes:
         series["vLLM acceptance (/metrics)"] = spec["per_position_acceptance"]
     if report["per_position_accuracy"]:
         series["teacher-forced accuracy"] = report["per_position_accuracy"][:k]
+        series["expected from accuracy"] = expected_per_position(report["per_position_accuracy"], k)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(series)
     for j, (name, values) in enumerate(series.items()):
@@ -100,8 +114,29 @@ def plot_accuracy(history: dict[str, Any], final: list[float]) -> bytes:
     return _png(fig)
 
 
+def plot_serving(serving: dict[str, Any]) -> bytes:
+    """Predicted speed-up vs concurrency, one line per K; the live check's measurements as markers."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    conc = [row["concurrency"] for row in serving["table"]]
+    for j, k in enumerate(serving["tau_per_k"]):
+        ys = [next(r["speedup"] for r in row["speculative"] if str(r["k"]) == k) for row in serving["table"]]
+        ax.plot(conc, ys, "o-", color=f"C{j}", ms=3, lw=1, label=f"K = {k}")
+    for run in serving.get("live_check") or []:
+        ax.scatter([run["concurrency"]], [run["measured_speedup"]], marker="x", color="black", zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("speed-up (predicted; × measured)")
+    ax.set_title("speculative vs plain decoding, tokens/s")
+    ax.legend(fontsize=7, ncol=2)
+    return _png(fig)
+
+
 def plots(report: dict[str, Any], history: dict[str, Any] | None) -> dict[str, bytes]:
     out = {"acceptance.png": plot_acceptance(report)}
+    if report.get("serving"):
+        out["serving.png"] = plot_serving(report["serving"])
     if history:
         out["loss.png"] = plot_loss(history)
     out["accuracy.png"] = plot_accuracy(history or {}, report["per_position_accuracy"])
@@ -121,6 +156,41 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return f"<table>{body}</table>"
 
 
+def _serving_html(serving: dict[str, Any]) -> list[str]:
+    ks = list(serving["tau_per_k"])
+    head = "".join(f"<th>K = {html.escape(k)}</th>" for k in ks)
+    rows = "".join(
+        f"<tr><th>{row['concurrency']}</th><td>{row['plain_tok_s']:.1f}</td>"
+        + "".join(f"<td>{r['speedup']:.2f}</td>" for r in row["speculative"])
+        + f"<td>{best['k']} ({best['speedup']:.2f} ×)</td></tr>"
+        for row, best in zip(serving["table"], serving["best"], strict=True))
+    table = (f"<table><tr><th>concurrency</th><th>plain tok/s</th>{head}<th>best K</th></tr>"
+             f"<tr><th>τ(K)</th><td></td>{''.join(f'<td>{t:.3f}</td>' for t in serving['tau_per_k'].values())}"
+             f"<td></td></tr>{rows}</table>")
+    summary = [("decision", serving["decision"]), ("--speculative-config", serving["speculative_config"]),
+               ("speculation loses above concurrency", serving["break_even_concurrency"]),
+               ("target step time from", serving["source"]["target"]),
+               ("drafter step time from", serving["source"]["drafter"])]
+    parts = ["<h2>Serving: predicted speed-up per concurrency and K</h2>", _table(summary), table]
+    if serving.get("live_check"):
+        live = [(f"concurrency {r['concurrency']}, K = {r['k']}",
+                 f"predicted {r['predicted_speedup']:.3f} ×, measured {r['measured_speedup']:.3f} × while decoding "
+                 f"({r['relative_error']:+.1%}), {r['measured_end_to_end_speedup']:.3f} × end to end; "
+                 f"τ {r['tau_in_process']:.3f} in-process, {r['tau_vllm']:.3f} vLLM")
+                for r in serving["live_check"]]
+        parts += ["<h3>Checked live on vLLM</h3>", _table(live)]
+    return parts
+
+
+def _second_set_text(second: dict[str, Any] | None) -> str:
+    if not second:
+        return "not run"
+    if "skipped" in second:
+        return f"{second['source']}: skipped ({second['skipped']})"
+    return (f"{_fmt(second['acceptance_length'])} on {second['count']} prompts of {second['source']} "
+            f"(per position {_fmt(second['per_position_acceptance'])})")
+
+
 def render_html(report: dict[str, Any], images: list[str]) -> str:
     ip = report.get("in_process", {})
     layout = report["layout"]
@@ -133,11 +203,15 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         ("per-position acceptance", report["per_position_acceptance"]),
         ("teacher-forced accuracy per TTT step", report["per_position_accuracy"]),
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
+        ("per position: measured / expected from accuracy", (report.get("acceptance_gap") or {}).get("ratio")),
+        ("τ on the second held-out set", _second_set_text(report.get("second_set"))),
         ("prompts", f"{ip.get('prompts')} × ≤{ip.get('max_new_tokens')} tokens "
                     f"({(report.get('prompts') or {}).get('source', '')})"),
         ("drafts / accepted", f"{ip.get('drafts')} / {ip.get('accepted')}"),
         ("output equals plain greedy", f"{ip.get('matches_greedy')} (mismatches: {ip.get('greedy_mismatches')})"),
         ("exports", ", ".join(f"{k}: {v}" for k, v in report["exports"].items())),
+        ("serve with chat_template_kwargs",
+         json.dumps((report.get("serve_with") or {}).get("chat_template_kwargs"))),
     ]
     wiring = report.get("wiring") or {}
     wiring_rows = [("trained on", wiring.get("trained"))] + [
@@ -165,6 +239,8 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         if "speedup" in live:
             rows += [("speed-up", live["speedup"]), ("outputs equal", live["outputs_equal"])]
         parts += ["<h2>Live A/B on vLLM</h2>", _table(rows)]
+    if report.get("serving"):
+        parts += _serving_html(report["serving"])
     parts += ["<h2>Plots</h2>"] + [f"<p><img src='{html.escape(name)}' alt='{html.escape(name)}'></p>"
                                    for name in images]
     parts.append("</body></html>")

@@ -7,9 +7,12 @@ One round at context x_0..x_{n-1} (the target has processed x_0..x_{n-2} and hol
   verify         the target runs [x_{n-1}, d_1..d_K] once; d_i is accepted while it equals the target's argmax,
                  then the target's own next token (the bonus) is appended; the aux states of the accepted rows
                  extend g, and the KV cache is cropped to the accepted prefix.
-This is vLLM's chain proposer (spec §6.1) and its counting (spec §6.3): every verify round is one draft, accepted
+This is vLLM's chain proposer (docs/eagle3.md §6.1) and its counting (docs/eagle3.md §6.3): every verify round is one draft, accepted
 tokens are counted before stop/max_tokens truncation, τ = 1 + accepted / drafts, and per-position acceptance is
-accepted_at_pos_i / drafts. The output must equal the target's plain greedy decoding; `evaluate` computes both.
+accepted_at_pos_i / drafts. The output must equal the target's plain greedy decoding; `measure_acceptance` runs
+both, and records where they first differ with the target's logits for both tokens there: in bf16 a near tie can
+rank two tokens differently in the verify and the plain forward (recorded as such), anything else is a mismatch.
+Inputs go to the target's input device; the drafter sits there, and the hooked aux states are gathered there.
 """
 from __future__ import annotations
 
@@ -19,12 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from eyas.capture import gather, hooks
 from eyas.drafter import Drafter, TTTCache
+from eyas.prompts import load_prompts, resolve_prompt_file
 from eyas.render import render_prompt
 from eyas.target import Target
-from services.extractor.capture import hooks
-from services.generator.core import resolve_prompt_file
-from services.generator.dataset import load_prompts
 
 
 @dataclass
@@ -33,12 +35,14 @@ class PromptIds:
     ids: list[int]
 
 
-def eval_prompts(tokenizer, source: str = "bundled:mt_bench", limit: int | None = None) -> list[PromptIds]:
-    """Each prompt's first user turn (after its system prompt, if any), rendered with the chat template and the
-    assistant generation prompt. The default, MT-bench, is held out from training by the generator."""
+def eval_prompts(tokenizer, source: str = "bundled:mt_bench", limit: int | None = None,
+                 template_kwargs: dict | None = None) -> list[PromptIds]:
+    """Each prompt's first user turn (after its system prompt, if any), rendered with the chat template (and the
+    kwargs the drafter's data was rendered with, e.g. enable_thinking) and the assistant generation prompt. The
+    default, MT-bench, is held out from training by the generator."""
     prompts = load_prompts(resolve_prompt_file(source), limit=limit)
     return [PromptIds(p.id, render_prompt(tokenizer, ([{"role": "system", "content": p.system}] if p.system else [])
-                                          + [{"role": "user", "content": p.user_turns[0]}]))
+                                          + [{"role": "user", "content": p.user_turns[0]}], template_kwargs))
             for p in prompts]
 
 
@@ -82,8 +86,9 @@ def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
     token with the target's own state), so only the new rows run; returns the drafts and the extended `past`."""
     n = len(context)
     done = 0 if past is None else past[0].shape[2]
-    ids = torch.tensor([context[1 + done:]])  # x_{t+1} beside g_t, for the rows not processed yet
-    pos = torch.arange(done, n - 1)[None]
+    on = h0.device  # the drafter's, which is the target's input device
+    ids = torch.tensor([context[1 + done:]], device=on)  # x_{t+1} beside g_t, for the rows not processed yet
+    pos = torch.arange(done, n - 1, device=on)[None]
     cache = TTTCache(past)
     hidden = drafter.step(ids, h0[:, done:], pos, cache)[:, -1:]  # pre-norm state of the last row
     past = (cache.keys[0], cache.values[0])
@@ -103,13 +108,15 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
 
     t0 = time.perf_counter()
     model = target.model
+    on = drafter.fc.weight.device  # the target's input device: its inputs and the drafter's both go there
     cache = DynamicCache(config=model.config)
     res = Decoded(tokens=[], accepted_per_pos=[0] * k)
     with hooks(target, aux_layers) as got:
         def forward(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0]
+            ids_t = torch.tensor([ids], device=on)
+            logits = model(input_ids=ids_t, past_key_values=cache, use_cache=True).logits[0]
             res.target_forwards += 1
-            return logits.argmax(-1), torch.cat([got[f"out{i}"][0] for i in aux_layers], dim=-1)
+            return logits.argmax(-1), gather(got, aux_layers, on)[0]
 
         preds, aux = forward(prompt)
         context = prompt + [int(preds[-1])]
@@ -146,8 +153,8 @@ def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: 
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=target.input_device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=target.input_device)
         out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                     do_sample=False, temperature=None, top_p=None, top_k=None,
                                     eos_token_id=sorted(stop), pad_token_id=pad)
@@ -165,7 +172,29 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds], k: int,
+# Two logits whose gap is at most this share of the larger magnitude are a near tie: bf16 keeps 8 significant
+# bits, so the batched greedy forward and the verify forward over [x_{n-1}, d_1..d_K] can rank them differently
+# without either being wrong. A wider gap is a real disagreement (a bug in the decoding or the caching).
+NEAR_TIE = 2 ** -6
+
+
+@torch.inference_mode()
+def divergence(target: Target, prompt: list[int], speculative: list[int], reference: list[int],
+               position: int) -> dict:
+    """Where speculative and greedy output first differ: both tokens and the target's logits for them there,
+    from one plain forward over the prompt and the common prefix (a missing token: that output had ended)."""
+    ids = torch.tensor([prompt + reference[:position]], device=target.input_device)
+    logits = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [V]
+    picked = {}
+    for name, tokens in (("speculative", speculative), ("greedy", reference)):
+        token = tokens[position] if position < len(tokens) else None
+        picked[name] = {"token": token, "logit": None if token is None else float(logits[token])}
+    a, b = picked["speculative"]["logit"], picked["greedy"]["logit"]
+    near = a is not None and b is not None and abs(a - b) <= NEAR_TIE * max(abs(a), abs(b))
+    return {"position": position, **picked, "near_tie": near}
+
+
+def measure_acceptance(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds], k: int,
              max_new_tokens: int, progress=None) -> dict:
     """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality."""
     stop = stop_ids(target)
@@ -177,21 +206,25 @@ def evaluate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prom
         diff = first_difference(spec.tokens, ref)
         records.append({"id": p.id, "prompt_tokens": len(p.ids), "tokens": len(spec.tokens), "drafts": spec.drafts,
                         "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos,
-                        "matches_greedy": diff is None, "first_difference": diff, "output": spec.tokens})
+                        "matches_greedy": diff is None, "first_difference": diff, "output": spec.tokens,
+                        "divergence": None if diff is None else divergence(target, p.ids, spec.tokens, ref, diff)})
         drafts += spec.drafts
         per_pos = [x + y for x, y in zip(per_pos, spec.accepted_per_pos, strict=True)]
         spec_tokens, spec_s, forwards = spec_tokens + len(spec.tokens), spec_s + spec.seconds, forwards + spec.target_forwards
         if progress is not None:
             progress(i + 1, len(prompts))
     accepted = sum(per_pos)
-    mismatches = [r["id"] for r in records if not r["matches_greedy"]]
+    diverged = [r for r in records if r["divergence"] is not None]
+    # near ties are recorded (position, both logits), not hidden; every other difference is a mismatch
+    mismatches = [r["id"] for r in diverged if not r["divergence"]["near_tie"]]
+    near_ties = [{"id": r["id"], **r["divergence"]} for r in diverged if r["divergence"]["near_tie"]]
     return {
         "k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "drafts": drafts, "accepted": accepted, "accepted_per_pos": per_pos,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "per_position_acceptance": [x / drafts if drafts else None for x in per_pos],
         "tokens": spec_tokens, "target_forwards": forwards,
-        "matches_greedy": not mismatches, "greedy_mismatches": mismatches,
+        "matches_greedy": not diverged, "greedy_mismatches": mismatches, "near_ties": near_ties,
         "speculative_tok_s": spec_tokens / spec_s if spec_s else None,  # in-process, one stream (not serving)
         "per_prompt": records,
     }

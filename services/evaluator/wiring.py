@@ -1,7 +1,7 @@
 """Wiring check: from a drafter's export configs and the target, derive exactly which tensors each engine will
 concatenate and feed the drafter, and refuse with a named reason when that is not what it was trained on.
 
-What is checked (reference/eagle3-spec.md §3, §7):
+What is checked (docs/eagle3.md §3, §7):
   target     the target to evaluate/serve with has the layout's config hash, tokenizer hash, depth and width
   recorded   a config's `eyas_layout` (written by the exporter) equals the drafter's layout
   width      fc's input width equals (number of concatenated states) × hidden size
@@ -46,7 +46,7 @@ def _fc_width(export: Path) -> int:
         return int(f.get_slice("fc.weight").get_shape()[1])
 
 
-def check_export(layout: Layout, export: Path, engine: str) -> list[int]:
+def check_export_wiring(layout: Layout, export: Path, engine: str) -> list[int]:
     """Check one export directory (config.json + model.safetensors) as `engine` loads it; returns the served
     layers (physical out(i), EMBED = -1) or raises WiringMismatch naming the export, the engine and the reason."""
     config: dict[str, Any] = json.loads((export / "config.json").read_text())
@@ -75,7 +75,7 @@ def check_wiring(layout: Layout, drafter_dir: Path, target: Target | None = None
     served: dict[str, Any] = {}
     for engine, name in _SERVED:
         if engine in engines and (drafter_dir / name / "config.json").is_file():
-            served[f"{engine}:{name}"] = describe(check_export(layout, drafter_dir / name, engine))
+            served[f"{engine}:{name}"] = describe(check_export_wiring(layout, drafter_dir / name, engine))
     if not served:
         raise WiringMismatch(f"{drafter_dir}: no eagle/ or speculators/ export to check")
     return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True}

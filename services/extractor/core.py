@@ -1,145 +1,177 @@
 """Extractor stage: conversations → rendered tokens + loss masks → target forward with aux capture → shards.
 
-Policies (counted in the manifest):
-  - a conversation longer than max_length is truncated (policy "truncate", default) or skipped ("skip");
-  - a conversation whose assistant turns are all empty, or that has no supervised token, is skipped;
-  - NaN/inf in any captured activation fails the job, naming the sample.
+Each conversation becomes one sample per group of assistant turns that share the context the server saw
+(eyas.render: a template that drops earlier reasoning gives one sample per such turn), rendered with the chat
+template kwargs the dataset was generated with (recorded again in the features manifest). The policies that
+skip or truncate samples are in services.extractor.plan, the capture and the shard files in
+services.extractor.shards.
+
+Every GPU of the node works: a target that fits one GPU is extracted by one process per GPU under torchrun
+(`processes`; default one per visible GPU), each writing its share of the planned shards into the one artifact;
+a larger target is spread over all GPUs and extracted by one process.
 """
 from __future__ import annotations
 
+import json
 import logging
-import tempfile
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 from tqdm import tqdm
 
-from eyas.features import Sample, ShardBuffer, shard_name
+from eyas.confine import names
+from eyas.datasets import read_conversations
+from eyas.device import DTypeName, Placement, placement
+from eyas.features import shard_name
+from eyas.ranks import run_ranks
 from eyas.layout import Layout, default_aux_layers
-from eyas.manifest import ArtifactWriter, Manifest
-from eyas.render import render_conversation
-from eyas.stages import StageContext, StageResult, StageSpec
-from eyas.target import BUNDLED, Target, load_target
-from services.extractor.capture import capture
-from services.generator.dataset import read_conversations
+from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
+from eyas.settings import Settings
+from eyas.stage import StageContext, StageResult, StageSpec
+from eyas.target import (BUNDLED, Target, config_hash, device_map, load_target, load_tokenizer, resolve_target,
+                         tokenizer_hash, weight_bytes)
+from services.extractor.plan import Plan, make_plan
+from services.extractor.shards import write_shards
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "data"
+# stdout lines of the torchrun ranks (services.extractor.rank) that this process reads
+PROGRESS_TAG = "EYAS-EXTRACT-PROGRESS "  # + tokens a rank's forward passes just covered
+FILES_TAG = "EYAS-EXTRACT-FILES "  # + JSON {shard name: its manifest entry}, once a rank has uploaded its shards
 
 
 class Spec(StageSpec):
-    data: str = Field(description="conversations artifact URI (s3://bucket/datasets/ID) or local directory")
-    target: str = Field(BUNDLED, description="target model: HF directory or the bundled name")
-    aux_layers: list[int] | None = Field(None, description="physical out(i) layers; default out(1), out(L//2-1), out(L-4)")
+    data: names("artifact") = Field(
+        description="conversations artifact URI (s3://bucket/datasets/ID) or local directory")
+    target: names("target", exact=(BUNDLED,)) = Field(
+        BUNDLED, description="target model: HF directory (under an input root) or the bundled name")
+    aux_layers: list[Annotated[int, Field(ge=-1, le=1023)]] | None = Field(
+        None, max_length=64, description="physical out(i) layers; default out(1), out(L//2-1), out(L-4)")
     max_length: int = Field(2048, ge=16, le=131072)
     overlong: Literal["truncate", "skip"] = "truncate"
-    batch_tokens: int = Field(8192, ge=256, description="padded tokens per forward batch")
+    batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per forward batch")
     shard_mb: int = Field(256, ge=1, le=4096)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-class BadActivation(ValueError):
-    pass
+    dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
+                             "CPU). Features are stored in bf16 either way")
+    processes: int | None = Field(None, ge=1, le=64, description="extractor processes under torchrun, one per GPU; "
+                                  "default: one per visible GPU when the target fits one, else 1")
 
 
 def layout_for(target: Target, aux_layers: list[int] | None) -> Layout:
-    aux = tuple(sorted(aux_layers)) if aux_layers else default_aux_layers(target.num_layers)
-    return Layout(target=target.name, target_config_hash=target.config_hash, tokenizer_hash=target.tokenizer_hash,
-                  num_layers=target.num_layers, hidden_size=target.hidden_size,
-                  vocab_size=target.config.vocab_size, aux_layers=aux)
+    return target_layout(target.name, target.tokenizer, aux_layers)
 
 
-def _batches(items: list[tuple[str, list[int], list[int]]], batch_tokens: int):
-    """Group by length (longest first) so padding stays small; each batch ≤ batch_tokens padded tokens."""
-    items = sorted(items, key=lambda x: -len(x[1]))
-    batch: list = []
-    for it in items:
-        if batch and len(batch[0][1]) * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(it)
-    if batch:
-        yield batch
+def target_layout(name: str, tokenizer, aux_layers: list[int] | None) -> Layout:
+    """The features' layout for target `name`, from its config and tokenizer (no weights loaded)."""
+    from transformers import AutoConfig
+
+    path = resolve_target(name)
+    config = AutoConfig.from_pretrained(path)
+    aux = tuple(sorted(aux_layers)) if aux_layers else default_aux_layers(config.num_hidden_layers)
+    return Layout(target=name, target_config_hash=config_hash(path), tokenizer_hash=tokenizer_hash(tokenizer),
+                  num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                  vocab_size=config.vocab_size, aux_layers=aux)
+
+
+@dataclass
+class Job:
+    """What every process of an extract job computes alike from its spec (services.extractor.plan)."""
+
+    layout: Layout
+    plan: Plan
+    source: Manifest  # the conversations' manifest
+    template_kwargs: dict
+
+
+def prepare(spec: Spec, settings: Settings) -> Job:
+    tokenizer = load_tokenizer(spec.target)
+    layout = target_layout(spec.target, tokenizer, spec.aux_layers)
+    records, source = read_conversations(spec.data, settings, expect_tokenizer_hash=layout.tokenizer_hash)
+    template_kwargs = source.dataset.chat_template_kwargs if source.dataset else {}
+    plan = make_plan(records, tokenizer, template_kwargs, max_length=spec.max_length, overlong=spec.overlong,
+                     batch_tokens=spec.batch_tokens, width=(len(layout.aux_layers) + 1) * layout.hidden_size,
+                     shard_max_bytes=spec.shard_mb << 20)
+    return Job(layout, plan, source, template_kwargs)
+
+
+def processes(spec: Spec, place: Placement) -> int:
+    """The spec's count, or one per visible GPU when the target fits one (else 1: it spreads over them all)."""
+    if place.device.type != "cuda":
+        return spec.processes or 1
+    gpu = torch.cuda.get_device_properties(place.device).total_memory
+    fits = device_map(weight_bytes(resolve_target(spec.target), place.dtype), gpu, place.device) != "auto"
+    if spec.processes is None:
+        return torch.cuda.device_count() if fits else 1
+    if spec.processes > 1 and not fits:
+        raise ValueError(f"target {spec.target!r} does not fit one GPU: it is spread over all of them, so one "
+                         f"process extracts (processes=1), not {spec.processes}")
+    return spec.processes
+
+
+def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> dict[str, FileEntry]:
+    """torchrun with `n` ranks (services.extractor.rank), each extracting every n-th shard of the same plan; their
+    progress lines become this job's progress, their file lines the artifact's files. A cancel stops them all."""
+    files: dict[str, FileEntry] = {}
+    done = 0
+
+    def relay(line: str) -> bool:
+        nonlocal done
+        if line.startswith(PROGRESS_TAG):
+            done += int(line[len(PROGRESS_TAG):])
+            ctx.metrics.update(tokens=done)
+            ctx.progress(done, total, "tokens")
+        elif line.startswith(FILES_TAG):
+            files.update({k: FileEntry(**v) for k, v in json.loads(line[len(FILES_TAG):]).items()})
+        else:
+            return False
+        return True
+
+    run_ranks("services.extractor.rank", n, ["--spec", spec.model_dump_json(), "--output", ctx.output.uri], relay,
+              "extractor processes")
+    return files
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
-    dtype = getattr(torch, spec.dtype)
-    target = load_target(spec.target, dtype=dtype)
-    layout = layout_for(target, spec.aux_layers)
-    records, source_manifest = read_conversations(spec.data, ctx.settings,
-                                                  expect_tokenizer_hash=target.tokenizer_hash)
-
-    counts = {"conversations": len(records), "samples": 0, "tokens": 0, "supervised_tokens": 0,
-              "truncated": 0, "skipped_overlong": 0, "skipped_empty": 0, "shards": 0}
-    items = []
-    for rec in records:
-        if not any((m.get("content") or m.get("reasoning_content")) for m in rec["messages"]
-                   if m["role"] == "assistant"):
-            counts["skipped_empty"] += 1
-            continue
-        r = render_conversation(target.tokenizer, rec["messages"], rec.get("chat_template_kwargs"))
-        ids, mask = r.input_ids, r.loss_mask
-        if len(ids) > spec.max_length:
-            if spec.overlong == "skip":
-                counts["skipped_overlong"] += 1
-                continue
-            ids, mask = ids[: spec.max_length], mask[: spec.max_length]
-            counts["truncated"] += 1
-        if sum(mask) == 0:
-            counts["skipped_empty"] += 1
-            continue
-        items.append((rec["id"], ids, mask))
-
-    total_tokens = sum(len(i[1]) for i in items)
+    place = placement(ctx.settings, spec.dtype)
+    # "auto" resolved here, once: every process and the manifest see the same dtype
+    spec = spec.model_copy(update={"dtype": place.dtype_name})
+    job = prepare(spec, ctx.settings)
+    plan, layout = job.plan, job.layout
+    total = plan.counts["tokens"]
+    n = processes(spec, place)
     writer = ArtifactWriter(ctx.output)
-    buf = ShardBuffer(max_bytes=spec.shard_mb << 20)
-    ids_in_order: list[str] = []
-    done = 0
-    with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp:
-        def flush():
-            path = Path(tmp) / shard_name(counts["shards"])
-            counts["samples"] += buf.write(path)
-            writer.put_file(path.name, path)
-            path.unlink()
-            counts["shards"] += 1
+    if n == 1:
+        target = load_target(spec.target, place)
+        bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
+        done = 0
 
-        bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True)
-        for batch in _batches(items, spec.batch_tokens):
-            T = len(batch[0][1])
-            input_ids = torch.zeros(len(batch), T, dtype=torch.long)
-            attn = torch.zeros(len(batch), T, dtype=torch.long)
-            for b, (_, ids, _) in enumerate(batch):
-                input_ids[b, : len(ids)] = torch.tensor(ids)
-                attn[b, : len(ids)] = 1
-            aux, final = capture(target, layout, input_ids, attn)
-            for b, (sid, ids, mask) in enumerate(batch):
-                n = len(ids)
-                a, f = aux[b, :n], final[b, :n]
-                if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
-                    raise BadActivation(f"sample {sid!r}: non-finite target activations (NaN/inf)")
-                full = buf.add(Sample(input_ids=torch.tensor(ids), loss_mask=torch.tensor(mask),
-                                      aux_hidden=a.clone(), final_hidden=f.clone()))
-                ids_in_order.append(sid)
-                counts["tokens"] += n
-                counts["supervised_tokens"] += sum(mask)
-                if full:
-                    flush()
-            done += sum(len(i[1]) for i in batch)
+        def progress(tokens: int) -> None:
+            nonlocal done
+            done += tokens
+            bar.update(tokens)
             ctx.metrics.update(tokens=done)
-            ctx.progress(done, total_tokens, "tokens")
-            bar.update(sum(len(i[1]) for i in batch))
+            ctx.progress(done, total, "tokens")
+
+        write_shards(target, layout, plan, range(len(plan.shards)), writer, progress)
         bar.close()
-        if buf.samples:
-            flush()
-        writer.put_bytes("samples.txt", ("\n".join(ids_in_order) + "\n").encode())
+        device = str(target.input_device)
+    else:
+        writer.files.update(_extract_distributed(spec, n, ctx, total))
+        device = place.device.type
+    missing = {shard_name(i) for i in range(len(plan.shards))} - writer.files.keys()
+    if missing:
+        raise RuntimeError(f"extractor processes did not report shards {sorted(missing)}")
+    writer.put_bytes("samples.txt", ("\n".join(item.id for item in plan.samples) + "\n").encode())
+    counts = plan.counts
     manifest = writer.commit(Manifest(
         kind="features", id=ctx.job_id, job_spec=spec.model_dump(mode="json"), inputs=[spec.data],
-        counts=counts, layout=layout.to_dict(),
-        extra={"source_manifest_id": source_manifest.id, "policy": {"overlong": spec.overlong},
-               "metrics": {k: counts[k] for k in ("samples", "tokens", "supervised_tokens")}},
+        counts=counts, layout=layout.to_dict(), features=FeaturesFacts(chat_template_kwargs=job.template_kwargs),
+        metrics={k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
+        extra={"source_manifest_id": job.source.id, "policy": {"overlong": spec.overlong},
+               "compute": {"device": device, "processes": n, "dtype": place.dtype_name}},
     ))
     log.info("features: %s samples, %s tokens in %s shards → %s", counts["samples"], counts["tokens"],
              counts["shards"], ctx.output.uri)
-    return StageResult(output_uri=ctx.output.uri, metrics=manifest.extra["metrics"])
+    return StageResult(output_uri=ctx.output.uri, metrics=manifest.metrics)

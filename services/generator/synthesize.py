@@ -15,8 +15,8 @@ import logging
 import math
 
 from eyas.render import render_prompt_text
-from services.generator.dataset import Prompt
-from services.generator.dedup import NearDupIndex
+from eyas.prompts import Prompt
+from eyas.neardup import NearDupIndex
 from services.generator.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The draft vocabulary (reference/eagle3-spec.md §5): the Vd target ids the drafter can propose.
+"""The draft vocabulary (docs/eagle3.md §5): the Vd target ids the drafter can propose.
 
 1. Count each token id where loss_mask == 1, over the TRAIN samples only (validation stays unseen).
 2. Keep the Vd most frequent ids, ties broken by the lower id (order (-count, id), as speculators does). When fewer
@@ -32,9 +32,10 @@ def token_counts(samples: Iterable[Sample], vocab_size: int) -> torch.Tensor:
 
 
 def select_vocab(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """The ascending [Vd] int64 target ids of the draft vocabulary (top-Vd by (-count, id))."""
-    if not 0 < draft_vocab_size <= counts.numel():
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..{counts.numel()} (the target's V)")
+    """The ascending [Vd] int64 target ids of the draft vocabulary (top-Vd by (-count, id)); Vd = min(requested, V),
+    as DrafterConfig.from_target sizes the head (a small target's whole vocabulary, not an error)."""
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be at least 1")
     order = torch.argsort(-counts, stable=True)  # stable: equal counts keep ascending id order
     return order[:draft_vocab_size].sort().values
 

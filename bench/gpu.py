@@ -1,0 +1,224 @@
+"""GPU check in one JSON line: a random-weight target with Llama-3.1-8B's shapes (no model hub), in bf16, through
+Eyas's own extraction, training and speculative-decoding code on one device.
+
+    python bench/gpu.py            # Llama-3.1-8B shapes on this process's GPU (EYAS_DEVICE); minutes on one H200
+    python bench/gpu.py --tiny     # the same steps with tiny shapes: seconds on a CPU (tests/test_bench_gpu.py)
+
+It needs the project importable (`pip install -e .`, or PYTHONPATH=. from the repository root) and nothing else:
+no tokenizer, no weights, no network.
+
+The line (stdout; progress goes to stderr):
+  extract   tokens/s of the extractor's capture path (aux-layer hooks, states gathered and copied to the host
+            on a side stream, taken by the background writer) and of the same forward without capture, on the
+            same batches, and their ratio (the goal on a GPU: ≥ 0.90)
+  train     drafter training tokens/s (TTT, bf16 autocast, AdamW) and model FLOPs utilisation (bench/mfu.py)
+  specdec   in-process speculative decoding (K drafts per target forward, the trained drafter) vs plain greedy on a
+            few prompts: equal, or where not, recorded near ties (eyas evaluator's rule) and mismatches
+  peak_memory_gib   the device's peak allocated memory (the process's peak RSS on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from eyas.capture import capture
+from eyas.device import placement
+from eyas.drafter import Drafter, DrafterConfig
+from eyas.features import Sample
+from eyas.layout import Layout, default_aux_layers
+from eyas.settings import get_settings
+from eyas.target import Target
+from mfu import peak_flops, train_flops
+from services.evaluator.specdec import PromptIds, measure_acceptance
+from services.extractor.offload import Background, Ready, to_host
+from services.trainer.data import epoch_plan
+from services.trainer.train import BETAS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
+from services.trainer.vocab import select_vocab, token_counts
+
+LLAMA_31_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000,
+               "eos_token_id": [128001, 128008, 128009],
+               "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}}
+# tests/families.py's sizes: 8 layers (distinct default aux layers), GQA, decisive random logits
+TINY = {**LLAMA_31_8B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048,
+        "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": [2],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+# (samples × length per extraction batch, batches, training steps, TTT steps, draft vocabulary, prompts, prompt
+# length, new tokens): the full run stays well inside 8 minutes on one H200; the tiny one in seconds on 2 CPU cores
+# (where bf16 matmuls are slow)
+SIZES = {"full": (4, 2048, 8, 40, 7, 32000, 3, 64, 48), "tiny": (2, 64, 3, 4, 3, 256, 2, 16, 8)}
+K, WARMUP_STEPS = 3, 2
+
+
+def log(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def build_target(shapes: dict, place, workdir: Path) -> Target:
+    """Random weights from a config, created directly on the device in the compute dtype."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**shapes)
+    config.save_pretrained(workdir)  # Target.path: what the layout's config hash reads
+    torch.manual_seed(0)
+    with torch.device(place.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=place.dtype)
+    model.eval().requires_grad_(False)
+    # a random-weight target has no tokenizer: only its end-of-sequence id is read (evaluator's stop_ids)
+    return Target(name="random:llama-3.1-8b-shapes", path=workdir, model=model,
+                  tokenizer=SimpleNamespace(eos_token_id=config.eos_token_id[0]))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def extraction(target: Target, layout: Layout, batches: list[torch.Tensor], repeats: int = 3) -> tuple[dict, list]:
+    """The extractor's capture path (services.extractor.shards without the shard files: hooks, states gathered
+    on the device, copied to the host on a side stream, taken by the background writer) vs the plain forward,
+    interleaved on the same batches."""
+    device = target.input_device
+    samples: list[Sample] = []
+
+    def plain():
+        with torch.inference_mode():
+            for ids in batches:
+                target.model.model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                                   use_cache=False)
+        sync(device)
+
+    def take(ids: torch.Tensor, ready: Ready, keep: bool) -> None:
+        aux, final = ready()
+        if keep:  # the second half of each row is "the answer" (loss mask 1)
+            mask = (torch.arange(ids.shape[1]) >= ids.shape[1] // 2).long()
+            samples.extend(Sample(row, mask, a, f) for row, a, f in zip(ids, aux, final, strict=True))
+
+    def captured(keep: bool):
+        with Background() as writer:
+            for ids in batches:
+                writer.submit(partial(take, ids, to_host(*capture(target, layout, ids, torch.ones_like(ids))), keep))
+        sync(device)
+
+    captured(keep=True)  # warm-up (kernels, allocator) and the training features
+    plain()
+    times: dict[str, list[float]] = {"plain": [], "capture": []}
+    for _ in range(repeats):
+        for name, run in (("plain", plain), ("capture", lambda: captured(keep=False))):
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    tokens = sum(ids.numel() for ids in batches)
+    rate = {name: tokens / min(t) for name, t in times.items()}
+    return {"tokens": tokens, "plain_tok_s": rate["plain"], "capture_tok_s": rate["capture"],
+            "ratio": rate["capture"] / rate["plain"]}, samples
+
+
+def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int, ttt_steps: int,
+             batch_tokens: int) -> tuple[dict, Drafter]:
+    """The trainer's step (TTTObjective, bf16 autocast, AdamW, clipping) on the captured features."""
+    device = target.input_device
+    config = target.model.config
+    cfg = DrafterConfig.from_target(config, draft_vocab, num_aux=len(default_aux_layers(config.num_hidden_layers)))
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.set_vocab(select_vocab(token_counts(samples, config.vocab_size), cfg.draft_vocab_size))
+    drafter.to(device)
+    head = target.model.get_output_embeddings().weight.detach().float()  # fp32 labels, as the trainer reads them
+    model = TTTObjective(drafter, head, ttt_steps)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=BETAS)
+    tops = TargetTopCache(samples, head)
+    lengths = [s.input_ids.numel() for s in samples]
+    plan = [b for epoch in range(1000) for b in epoch_plan(lengths, batch_tokens, 0, epoch)][: WARMUP_STEPS + steps]
+    tokens = supervised = 0
+    flops = 0.0
+    t0 = 0.0
+    for i, indices in enumerate(plan):
+        if i == WARMUP_STEPS:  # timing starts after the warm-up steps (kernels, target top-1 cache)
+            sync(device)
+            t0 = time.perf_counter()
+        batch = tops.batch(indices, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            r = model(batch)
+        (r.objective / r.denom.clamp(min=1)).backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= WARMUP_STEPS:
+            n, s = batch.num_tokens, int(batch.loss_mask.sum())
+            tokens, supervised = tokens + n, supervised + s
+            flops += train_flops(cfg, ttt_steps, n, s, batch.input_ids.shape[1])
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak = peak_flops(device)
+    drafter.eval().to(target.model.dtype)  # served in the target's dtype, as the evaluator loads it
+    return {"tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak if peak else None,
+            "tflops": flops / seconds / 1e12, "steps": steps, "ttt_steps": ttt_steps,
+            "draft_vocab": cfg.draft_vocab_size, "last_loss": float(r.loss.detach())}, drafter
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU run in seconds)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    place = placement(get_settings(), "bfloat16")
+    shapes = TINY if args.tiny else LLAMA_31_8B
+    rows, length, n_batches, steps, ttt_steps, draft_vocab, n_prompts, prompt_len, new_tokens = SIZES[
+        "tiny" if args.tiny else "full"]
+    with tempfile.TemporaryDirectory(prefix="eyas-gpu-") as tmp:
+        log(f"building a random target ({'tiny' if args.tiny else 'Llama-3.1-8B'} shapes) on {place.device}")
+        target = build_target(shapes, place, Path(tmp))
+        config = target.model.config
+        layout = Layout(target=target.name, target_config_hash=target.config_hash, tokenizer_hash="none",
+                        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                        vocab_size=config.vocab_size, aux_layers=default_aux_layers(config.num_hidden_layers))
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randint(3, config.vocab_size, (rows, length), generator=gen) for _ in range(n_batches)]
+        log("extraction: capture vs plain forward")
+        extract, samples = extraction(target, layout, batches)
+        log("training the drafter")
+        train, drafter = training(target, samples, draft_vocab, steps, ttt_steps, batch_tokens=rows * length)
+        log("speculative decoding vs greedy")
+        rng = random.Random(0)
+        prompts = [PromptIds(f"random-{i}", [rng.randrange(3, config.vocab_size) for _ in range(prompt_len)])
+                   for i in range(n_prompts)]
+        decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, K, new_tokens)
+    specdec = {key: decoded[key] for key in ("k", "prompts", "max_new_tokens", "matches_greedy", "greedy_mismatches",
+                                             "near_ties", "acceptance_length", "drafts")}
+    device_name = torch.cuda.get_device_name(place.device) if place.device.type == "cuda" else "cpu"
+    print(json.dumps({
+        "device": device_name, "shapes": "tiny" if args.tiny else "llama-3.1-8b", "dtype": place.dtype_name,
+        "target_params": sum(p.numel() for p in target.model.parameters()),
+        "extract": extract, "train": train, "specdec": specdec,
+        "peak_memory_gib": peak_memory_gib(place.device), "seconds": time.perf_counter() - t_start,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""What a stage is: a typed job spec, and a plain `run(spec, ctx) -> StageResult` that reads its input artifact and
+writes its output artifact through `ctx`.
+
+Each stage (services/<stage>/core.py) exposes `Spec` (a StageSpec), `INPUT_FIELD` (the spec field that names the
+input artifact), `run`, and optionally `assist`. The orchestration builds the context: where the output goes, the
+settings, and how progress is reported (and cancellation noticed). A stage never sees job records or queues.
+"""
+from __future__ import annotations
+
+import time
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eyas.settings import Settings
+from eyas.store import Artifact, ObjectStore
+
+
+def _int_shape(annotation: Any) -> str | None:
+    """'int' for an int field (Optional, Annotated), 'list' for a list of ints, else None."""
+    if annotation is int:
+        return "int"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _int_shape(args[0])
+    if origin is list and args:
+        return "list" if _int_shape(args[0]) == "int" else None
+    if origin in (typing.Union, types.UnionType):
+        shapes = {_int_shape(a) for a in args if a is not type(None)}
+        return shapes.pop() if len(shapes) == 1 else None
+    return None
+
+
+def integral_floats(model: type[BaseModel], data: Any) -> Any:
+    """JSON has one kind of number: 2.0 is the integer 2 (JSON schema says so too). Strict models refuse a float
+    for an int field, so a spec's integral floats become ints first; true and "2" stay refused."""
+    if not isinstance(data, dict):
+        return data
+
+    def whole(v: Any) -> Any:
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
+    out = dict(data)
+    for name, value in data.items():
+        field = model.model_fields.get(name)
+        shape = _int_shape(field.annotation) if field is not None else None
+        if shape == "int":
+            out[name] = whole(value)
+        elif shape == "list" and isinstance(value, list):
+            out[name] = [whole(v) for v in value]
+    return out
+
+
+class StageSpec(BaseModel):
+    """Base of every stage's job spec. `then` lists the stages to run after this one, each a stage name or
+    {"stage": name, ...spec overrides}; the next stage's input is this stage's output artifact."""
+
+    # strict: JSON true is not the number 1, "3" is not 3 (a spec says what it means or is refused); NaN and
+    # Infinity are no number of any field
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    then: list[str | dict[str, Any]] = Field([], max_length=3, description=(
+        "the stages to run after this one, in pipeline order: a stage name, or {\"stage\": name, ...its spec "
+        "fields} (its input is this stage's output)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: Any) -> Any:
+        return integral_floats(cls, data)
+
+
+class Cancelled(RuntimeError):
+    """Raised inside a stage by `StageContext.progress` once the job's cancellation was requested."""
+
+
+# (done, total, unit, metrics) → True when the job's cancellation was requested
+ProgressSink = Callable[[int, int, str, dict[str, Any]], bool]
+
+
+@dataclass
+class StageContext:
+    job_id: str
+    settings: Settings
+    store: ObjectStore
+    output: Artifact  # where this job's artifact goes (deterministic: {kind}/{job_id})
+    report: ProgressSink = lambda done, total, unit, metrics: False
+    attempt: int = 1  # the job's run number (a redelivered task runs it again)
+    # service mode: recruit(n) asks n more workers of this stage to help with this run (the stage's `assist`)
+    recruit: Callable[[int], None] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    _last_progress: float = 0.0
+
+    def progress(self, done: int, total: int, unit: str = "", force: bool = False) -> None:
+        """Report progress (at most once a second) and raise Cancelled if the job's cancellation was requested."""
+        now = time.monotonic()
+        if force or done >= total or now - self._last_progress > 1.0:
+            self._last_progress = now
+            if self.report(done, total, unit, dict(self.metrics)):
+                raise Cancelled(f"job {self.job_id} was cancelled")
+
+
+@dataclass
+class StageResult:
+    output_uri: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)

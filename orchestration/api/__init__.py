@@ -1,0 +1,1 @@
+"""The job API, one shape for every stage's service (`orchestration.api.app.create_app(stage)`)."""

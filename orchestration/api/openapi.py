@@ -1,0 +1,63 @@
+"""The API schema says what a submission must be, beyond the spec class FastAPI reads:
+
+  - each field that names a file, object or URL (eyas.confine.Names) carries the pattern this service's settings
+    allow (`Policy.pattern`, the expression the check itself applies);
+  - `then` is the stages after this one, in pipeline order, each a name or its `then` entry model
+    (orchestration.registry.step_model: its spec without the input).
+So a request the schema calls valid is one the service takes, and one it calls invalid is refused.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from eyas.confine import SCHEMA_KEY, Names, Policy
+from eyas.settings import Settings
+from orchestration.registry import STAGE_ORDER, step_model
+
+
+def _patterns(node: Any, policy: Policy) -> None:
+    if isinstance(node, dict):
+        marker = node.pop(SCHEMA_KEY, None)
+        if marker is not None:
+            node["pattern"] = policy.pattern(Names(marker["what"], marker["s3"], tuple(marker["exact"])))
+        for value in node.values():
+            _patterns(value, policy)
+    elif isinstance(node, list):
+        for value in node:
+            _patterns(value, policy)
+
+
+def _then(schema: dict[str, Any], stage: str) -> None:
+    components = schema["components"]["schemas"]
+    body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    spec = components[body["$ref"].rsplit("/", 1)[1]]
+    entries = []
+    for name in STAGE_ORDER[STAGE_ORDER.index(stage) + 1:]:
+        model = step_model(name)
+        entry = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(entry.pop("$defs", {}))
+        components[model.__name__] = entry
+        entries.append({"anyOf": [{"const": name}, {"$ref": f"#/components/schemas/{model.__name__}"}]})
+    then = spec["properties"]["then"]
+    then.pop("items", None)
+    then.update({"type": "array", "maxItems": len(entries)})
+    if entries:  # (an empty prefixItems is not a schema)
+        then.update({"prefixItems": entries, "items": False})
+
+
+def documented(app: FastAPI, stage: str, settings: Settings) -> Callable[[], dict[str, Any]]:
+    """A replacement for `app.openapi`: FastAPI's schema, completed as above (built once)."""
+    plain = app.openapi
+    policy = Policy.of(settings)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = plain()
+            _then(schema, stage)
+            _patterns(schema, policy)
+        return app.openapi_schema
+
+    return openapi

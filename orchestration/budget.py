@@ -1,0 +1,151 @@
+"""`eyas run --minutes N`: size the embedded run to a wall-time budget on this machine.
+
+In its first seconds the run measures what each stage's time is made of, with the target it will train for:
+  decode    new tokens/s of in-process generation at the run's batch (prompt synthesis and the answers)
+  forward   target forward tokens/s over whole conversations (extraction)
+  train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths)
+  step      seconds of one single-sequence target step with a KV cache (evaluation decodes token by token)
+and then sizes the prompts (whole in-process batches), the evaluation prompts and, for budgets too small for one
+batch, the answer length, so that the whole run fits. What one prompt costs in tokens (the constants below) was
+measured on the bundled target; bench/README.md ("eyas run --minutes") has the plans against the times they took.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+# What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
+# from `eyas run` job records: bench/README.md ("eyas run --minutes").
+SYNTH_DRAWS = 1.2  # candidate requests drawn per kept prompt (the rest lack an end of turn or repeat)
+SYNTH_TOKENS = 48  # tokens sampled per candidate request
+ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap)
+PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
+EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
+SECOND_SET_PROMPTS = 5  # the evaluator's second held-out set (services/evaluator/core.py: second_num_prompts)
+EVAL_PASSES = 1.8  # the evaluator decodes each prompt twice: speculatively (~τ tokens per step) and plain greedy
+FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
+EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET)
+TRAIN_SHARE = 0.9  # of the samples (val_every 10)
+
+
+@dataclass(frozen=True)
+class Rates:
+    decode_tok_s: float
+    forward_tok_s: float
+    train_tok_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    minutes: float
+    num_prompts: int
+    max_tokens: int
+    eval_prompts: int
+    seconds: dict[str, float]  # predicted, per stage
+
+    def describe(self) -> str:
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        return (f"plan for {self.minutes:g} min: {self.num_prompts} prompts × {self.max_tokens} tokens, "
+                f"{self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
+                f"(total {sum(self.seconds.values()):.0f} s)")
+
+
+def eval_prompts_for(minutes: float) -> int:
+    """More prompts for longer runs: τ's spread over prompts shrinks as 1/√n (10 at 10 min, 35 at 60)."""
+    return max(4, min(80, round(10 + (minutes - 10) / 2)))
+
+
+def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int) -> dict[str, float]:
+    """Predicted seconds per stage; model loads and writes are spread over the stages by FIXED_S / 4."""
+    answer = ANSWER_FILL * max_tokens
+    fixed = FIXED_S / 4
+    return {
+        "generate": fixed + prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer) / rates.decode_tok_s,
+        "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
+        "train": fixed + EPOCHS * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
+        "evaluate": fixed + (eval_prompts + SECOND_SET_PROMPTS) * EVAL_NEW_TOKENS * EVAL_PASSES * rates.step_s,
+    }
+
+
+def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = 192, spent_s: float = 0.0) -> Plan:
+    """The most prompts (whole batches: a part batch costs nearly a whole one's wall time) whose stages fit the
+    budget less `spent_s` (measuring); below one batch, fewer prompts, then shorter answers, down to a floor that
+    still trains something."""
+    budget = minutes * 60 - spent_s
+    n_eval = eval_prompts_for(minutes)
+
+    def total(prompts: int, tokens: int) -> float:
+        return sum(stage_seconds(rates, prompts, tokens, n_eval).values())
+
+    per_batch = total(batch, max_tokens) - total(0, max_tokens)
+    prompts = batch * max(0, math.floor((budget - total(0, max_tokens)) / per_batch))
+    if prompts == 0:  # under one batch: as many prompts as fit, answers shortened down to 64 tokens
+        tokens = max_tokens
+        while tokens > 64 and total(batch, tokens) > budget:
+            tokens -= 32
+        per_prompt = (total(batch, tokens) - total(0, tokens)) / batch
+        fit = math.floor((budget - total(0, tokens)) / per_prompt)
+        prompts, max_tokens = (batch * (fit // batch) if fit >= batch else max(8, fit)), tokens
+    return Plan(minutes, prompts, max_tokens, n_eval, stage_seconds(rates, prompts, max_tokens, n_eval))
+
+
+def measure_rates(target_name: str, batch: int) -> Rates:
+    """The four rates on this machine, in a few seconds, with the stages' own code paths where they have one."""
+    import torch
+
+    from eyas.drafter import Drafter, DrafterConfig
+    from eyas.batching import Batch
+    from eyas.ttt import ttt_forward
+    from services.generator.engine import InProcessEngine, SamplingParams
+
+    engine = InProcessEngine(target_name, max_batch=batch)
+    model = engine.target.model
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    texts = [engine.render([{"role": "user", "content": f"Tell me a fact about the number {i}."}], params)
+             for i in range(batch)]
+    engine.generate_texts(texts[:2], params.model_copy(update={"max_tokens": 2}))  # warm-up
+    t0 = time.perf_counter()
+    done = engine.generate_texts(texts, params)
+    decode = sum(c.completion_tokens for c in done) / (time.perf_counter() - t0)
+
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (4, 256))
+    with torch.inference_mode():
+        model(input_ids=ids[:1, :16])  # warm-up
+        t0 = time.perf_counter()
+        model(input_ids=ids, output_hidden_states=True)
+        forward = ids.numel() / (time.perf_counter() - t0)
+        out = model(input_ids=ids[:1, :64], use_cache=True)
+        t1 = time.perf_counter()
+        for i in range(8):
+            out = model(input_ids=ids[:1, 64 + i:65 + i], past_key_values=out.past_key_values, use_cache=True)
+        step = (time.perf_counter() - t1) / 8
+
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(cfg, 4096, num_aux=3))
+    drafter.set_vocab(torch.arange(4096))
+    head = model.get_output_embeddings().weight.detach()
+    h = cfg.hidden_size
+    n = 512
+    mask = torch.ones(1, n, dtype=torch.int64)
+    fake = Batch(input_ids=ids[:2].reshape(1, -1)[:, :n], loss_mask=mask, lengths=torch.tensor([n]),
+                 aux_hidden=torch.randn(1, n, 3 * h), final_hidden=torch.randn(1, n, h))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    times = []
+    for _ in range(3):  # the first one warms up
+        t0 = time.perf_counter()
+        res = ttt_forward(drafter, fake, head, 3)
+        res.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    train = n / min(times[1:])
+    return Rates(decode_tok_s=decode, forward_tok_s=forward, train_tok_s=train, step_s=step)
+
+
+def rates_line(rates: Rates) -> str:
+    r = asdict(rates)
+    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s, forward {r['forward_tok_s']:.0f} tok/s, "
+            f"train {r['train_tok_s']:.0f} tok/s, target step {1000 * r['step_s']:.0f} ms")

@@ -1,0 +1,162 @@
+"""`eyas` — the command line. Every stage command's flags are generated from that stage's job spec, so the CLI,
+the HTTP API and `then` pipelines accept exactly the same fields.
+
+  eyas run                      the whole pipeline on the embedded default (bundled target and prompts)
+  eyas generate|extract|train|evaluate [flags] [--out DIR]   one stage, embedded
+  eyas api --stage S            serve a stage's job API;   eyas worker --stage S   run a stage's Celery worker
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+STAGE_COMMANDS = {"generate": "generate", "extract": "extract", "train": "train", "evaluate": "evaluate"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(annotation) -> tuple[Any, list | None]:
+    """(argparse type, choices) for a field annotation; (None, None) when it is not a plain scalar."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a field that names a file or URL (eyas.confine.names): a string
+        return _scalar_type(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _scalar_type(args[0]) if len(args) == 1 else (None, None)
+    if origin is typing.Literal:
+        choices = list(typing.get_args(annotation))
+        return type(choices[0]), choices
+    if annotation in (str, int, float):
+        return annotation, None
+    if annotation is bool:
+        return bool, None
+    if origin in (list, dict):
+        return json.loads, None
+    return None, None
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, spec_cls: type[BaseModel], prefix: str = "") -> None:
+    for name, field in spec_cls.model_fields.items():
+        if name == "then":
+            continue
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            add_spec_arguments(parser, ann, prefix=f"{prefix}{name}.")
+            continue
+        typ, choices = _scalar_type(ann)
+        if typ is None:
+            continue
+        default = None if field.is_required() else field.default
+        said = field.is_required() or "(default:" in (field.description or "")  # the description says it better
+        help_text = (field.description or "") + ("" if said else f" (default: {default})")
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
+        dest = f"{prefix}{name}"
+        if typ is bool:
+            parser.add_argument(_flag(name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(_flag(name), dest=dest, type=typ, choices=choices, default=None,
+                                required=field.is_required() and not prefix, help=help_text,
+                                metavar=None if choices else name.upper())
+
+
+def spec_from_args(args: argparse.Namespace, skip: set[str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        if value is None or dest in skip:
+            continue
+        *parents, leaf = dest.split(".")
+        node = spec
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return spec
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "transformers", "celery.redirected"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _run_stage(stage: str, args: argparse.Namespace) -> int:
+    from orchestration.embedded import EmbeddedRunner, command_line_settings
+    from orchestration.execution import SpecError
+
+    spec = spec_from_args(args, skip={"command", "out", "workdir", "verbose"})
+    settings = command_line_settings(stage, spec, args.workdir)
+    try:
+        jobs = EmbeddedRunner(settings).run_job(stage, spec, output_dir=args.out)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for job in jobs:
+        print(f"{job.stage}: {job.state} → {job.artifacts.get('output')}")
+    return 0 if all(j.state == "succeeded" for j in jobs) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orchestration.registry import get_stage
+
+    parser = argparse.ArgumentParser(prog="eyas", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from orchestration.run_command import add_run_arguments
+
+    add_run_arguments(sub.add_parser("run", help="generate → extract → train → evaluate, embedded",
+                                     description="Run the whole pipeline on one machine and write a report."))
+    for stage in STAGE_COMMANDS:
+        st = get_stage(stage)
+        doc = (sys.modules[st.run.__module__].__doc__ or "").strip()
+        first = doc.split("\n\n")[0].split(". ")[0].replace("\n", " ").rstrip(".") if doc else stage
+        p = sub.add_parser(stage, help=first, description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_spec_arguments(p, st.spec_cls)
+        p.add_argument("--out", type=Path, help="write the artifact into this directory (default: the workdir store)")
+        p.add_argument("--workdir", type=Path, help="embedded store and job records (default: ./eyas-work)")
+        p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    for name, what in (("api", "serve a stage's job API (HTTP)"), ("worker", "run a stage's Celery worker")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--stage", required=True, choices=list(STAGE_COMMANDS))
+        if name == "api":
+            p.add_argument("--host", default="127.0.0.1")
+            p.add_argument("--port", type=int, default=8000)
+        else:
+            p.add_argument("--concurrency", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(getattr(args, "verbose", False))
+    if args.command == "run":
+        from orchestration.run_command import run_pipeline
+
+        return run_pipeline(args)
+    if args.command in STAGE_COMMANDS:
+        return _run_stage(args.command, args)
+    if args.command == "api":
+        from orchestration.api.app import serve_api
+
+        serve_api(args.stage, args.host, args.port)
+        return 0
+    from orchestration.tasks import run_worker
+
+    run_worker(args.stage, concurrency=args.concurrency)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

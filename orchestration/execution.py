@@ -1,0 +1,196 @@
+"""Submitting and executing jobs — the one code path behind the API, the Celery tasks, the CLI and `eyas run`.
+
+submit():  validate a spec (and confine it: eyas.confine), create the job record (queued), hand it to the
+           dispatcher.
+execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then`.
+assist():  a helper's share of a running job (service mode; the generator shares its prompts among workers).
+A redelivered job (its worker died) runs again into the same deterministic prefix; an artifact whose manifest is
+already committed there is reused, so it is written exactly once. A worker parses and confines a job's spec again
+before it runs it (its own settings decide), so a record that reached the queue another way runs nothing it may
+not. A failed job's record says why (`error`); the traceback goes to the worker's log only.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from eyas.confine import Refused, check_spec
+from eyas.keys import safe_key
+from eyas.manifest import read_manifest
+from eyas.settings import Settings
+from eyas.stage import Cancelled, StageContext
+from eyas.store import Artifact, ObjectStore
+from orchestration.jobs import TERMINAL, JobNotFound, JobRecord, JobStore, Progress, new_job_id, transition, update
+from orchestration.registry import ARTIFACT_DIRS, STAGE_ORDER, get_stage, step_model
+
+log = logging.getLogger(__name__)
+
+Dispatch = Callable[[str, str], None]  # (stage, job_id) → schedules execute(job_id)
+Recruit = Callable[[str, str, int, int], None]  # (stage, job_id, attempt, n) → schedules n × assist(job_id, attempt)
+
+
+class SpecError(ValueError):
+    """Bad job spec: `field` and `value` name what is wrong."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        super().__init__(f"{field}={value!r}: {message}")
+        self.field, self.value, self.message = field, value, message
+
+
+def _next_spec(step: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if isinstance(step, str):
+        return step, {}
+    step = dict(step)
+    return step.pop("stage"), step
+
+
+def _non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
+    """The first field holding NaN or ±Infinity, and its value (JSON has no such numbers; Python's parser takes
+    them, and a free-form field would keep them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "body", value
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for field, item in items:
+        if found := _non_finite(item, field):
+            return found
+    return None
+
+
+def _parse(cls: type[BaseModel], spec: dict[str, Any], where: str = "") -> Any:
+    try:
+        return cls.model_validate(spec)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise SpecError(where + field if field else where.rstrip(".") or "body", err.get("input"),
+                        err["msg"]) from None
+
+
+def _confine(parsed: BaseModel, settings: Settings, where: str = "") -> None:
+    try:
+        check_spec(parsed, settings, where)
+    except Refused as e:
+        raise SpecError(e.field, e.value, e.rule) from None
+
+
+def parse_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
+    """A stage's spec, parsed, and confined by these settings: every file, object and URL it names checked."""
+    if bad := _non_finite(spec):
+        raise SpecError(bad[0], str(bad[1]), "numbers must be finite (NaN and Infinity are refused)")
+    parsed = _parse(get_stage(stage_name).spec_cls, spec)
+    _confine(parsed, settings)
+    return parsed
+
+
+def validate_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
+    """Parse and confine a spec for a stage, and every `then` entry too (each as its stage's spec without the
+    input, which the stage before provides), so a pipeline fails at submit, not hours later."""
+    parsed = parse_spec(stage_name, spec, settings)
+    prev = stage_name
+    for i, step in enumerate(parsed.then):
+        name = step if isinstance(step, str) else step.get("stage")
+        after = STAGE_ORDER.index(prev) + 1
+        expected = STAGE_ORDER[after] if after < len(STAGE_ORDER) else "none"
+        if name != expected:
+            raise SpecError(f"then[{i}]" if isinstance(step, str) else f"then[{i}].stage", name,
+                            f"after {prev!r} the next stage must be {expected}")
+        if isinstance(step, dict):
+            _confine(_parse(step_model(name), step, f"then[{i}]."), settings, f"then[{i}].")
+        prev = name
+    return parsed
+
+
+def submit(stage_name: str, spec: dict[str, Any], jobs: JobStore, dispatch: Dispatch, settings: Settings,
+           parent: str | None = None, job_id: str | None = None) -> JobRecord:
+    parsed = validate_spec(stage_name, spec, settings)
+    job = JobRecord(id=job_id or new_job_id(stage_name), stage=stage_name, spec=parsed.model_dump(mode="json"),
+                    parent=parent)
+    jobs.put(job)
+    dispatch(stage_name, job.id)
+    return job
+
+
+def job_output(store: ObjectStore, job: JobRecord) -> Artifact:
+    """Where a job's artifact lives: {kind}/{job id}, the same for every run of the job and for its helpers."""
+    return Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
+
+
+def _job_reporter(jobs: JobStore, job_id: str):
+    """The stage's progress sink: progress and live metrics go on the job record; says whether a cancel came."""
+
+    def report(done: int, total: int, unit: str, metrics: dict[str, Any]) -> bool:
+        job = update(jobs, job_id, progress=Progress(done=done, total=total, unit=unit), metrics=metrics)
+        return job.cancel_requested
+
+    return report
+
+
+def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
+            output: Artifact | None = None, recruit: Recruit | None = None) -> JobRecord:
+    job = jobs.get(job_id)
+    if job.state in TERMINAL:
+        log.info("job %s is already %s; nothing to do", job_id, job.state)
+        return job
+    if job.cancel_requested:
+        return transition(jobs, job_id, "cancelled")
+    stage = get_stage(job.stage)
+    job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
+    output = output or job_output(store, job)
+    ctx = StageContext(job_id=job_id, settings=settings, store=store, output=output,
+                       report=_job_reporter(jobs, job_id), attempt=job.attempts, recruit=None if recruit is None else (
+                           lambda n: recruit(job.stage, job_id, job.attempts, n)))
+    try:
+        spec = parse_spec(job.stage, job.spec, settings)
+        if output.exists("manifest.json"):
+            # A redelivered task whose artifact was already committed: reuse it, write nothing again.
+            manifest = read_manifest(output)
+            result_uri, metrics = output.uri, dict(manifest.metrics)
+            artifacts = {"output": output.uri}
+        else:
+            result = stage.run(spec, ctx)
+            result_uri, metrics, artifacts = result.output_uri, result.metrics, {"output": result.output_uri,
+                                                                                  **result.artifacts}
+    except Cancelled as e:
+        return transition(jobs, job_id, "cancelled", error=str(e))
+    except Exception as e:  # the job record names why; the traceback goes to this worker's log only
+        log.exception("job %s failed", job_id)
+        transition(jobs, job_id, "failed", error=f"{type(e).__name__}: {e}"[:2000], metrics=ctx.metrics)
+        raise
+    next_job = None
+    if spec.then:
+        # The next job's id derives from this one, so a redelivered task never enqueues it twice.
+        name, overrides = _next_spec(spec.then[0])
+        next_job = f"{name[:3]}-{job_id.split('-', 1)[1]}"
+        try:
+            jobs.get(next_job)
+        except JobNotFound:
+            nxt_stage = get_stage(name)
+            nxt_spec = {**overrides, nxt_stage.input_field: result_uri, "then": spec.then[1:]}
+            submit(name, nxt_spec, jobs, dispatch, settings, parent=job_id, job_id=next_job)
+    return transition(jobs, job_id, "succeeded", metrics={**ctx.metrics, **metrics}, artifacts=artifacts,
+                      next_job=next_job)
+
+
+def assist(job_id: str, attempt: int, jobs: JobStore, store: ObjectStore, settings: Settings) -> None:
+    """Help run `attempt` of a running job. A helper that finds the job finished, or re-run since, does nothing;
+    one that fails only logs: the job's own run takes over whatever it left (see services/generator/workshare)."""
+    job = jobs.get(job_id)
+    stage = get_stage(job.stage)
+    if job.state != "running" or job.attempts != attempt or stage.assist is None:
+        log.info("job %s: nothing to help with (%s, attempt %d)", job_id, job.state, job.attempts)
+        return
+    ctx = StageContext(job_id=job_id, settings=settings, store=store, attempt=attempt,
+                       output=job_output(store, job))
+    try:
+        stage.assist(parse_spec(job.stage, job.spec, settings), ctx)
+    except Exception:
+        log.exception("helping job %s failed; its own run takes over", job_id)

@@ -1,0 +1,66 @@
+"""The stage registry: stage names in pipeline order, the module that implements each, and the artifact folder it
+writes. Routes, Celery tasks, the CLI and `eyas run` find a stage here and run it through
+`orchestration.execution.execute`.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, create_model
+from pydantic.json_schema import SkipJsonSchema
+
+from eyas.stage import StageContext, StageResult, StageSpec
+
+STAGE_ORDER = ("generate", "extract", "train", "evaluate")
+# stage → module with Spec, INPUT_FIELD and run(spec, ctx) (and optionally assist)
+_MODULES = {
+    "generate": "services.generator.core",
+    "extract": "services.extractor.core",
+    "train": "services.trainer.core",
+    "evaluate": "services.evaluator.core",
+}
+ARTIFACT_DIRS = {"generate": "datasets", "extract": "features", "train": "drafters", "evaluate": "reports"}
+
+
+@dataclass
+class Stage:
+    name: str
+    spec_cls: type[StageSpec]
+    run: Callable[[StageSpec, StageContext], StageResult]
+    input_field: str
+    # a helper's part of a running job (generator only): joins the work the job's own run shares
+    assist: Callable[[StageSpec, StageContext], None] | None = None
+
+
+def get_stage(name: str) -> Stage:
+    if name not in _MODULES:
+        raise KeyError(f"unknown stage {name!r}; stages are {list(_MODULES)}")
+    mod = importlib.import_module(_MODULES[name])
+    return Stage(name=name, spec_cls=mod.Spec, run=mod.run, input_field=mod.INPUT_FIELD,
+                 assist=getattr(mod, "assist", None))
+
+
+def _not_here(why: str) -> Any:
+    """A field a `then` entry may not set: hidden from its schema, refused (naming why) when given."""
+
+    def refuse(_value: Any) -> None:
+        raise ValueError(why)
+
+    return (SkipJsonSchema[Annotated[None, BeforeValidator(refuse)]], None)
+
+
+@lru_cache
+def step_model(name: str) -> type[StageSpec]:
+    """What a `then` entry for stage `name` may say: its stage, and any field of its spec but the input (the
+    output of the stage before) and `then` (the pipeline's own list goes on). A subclass of the stage's spec, so
+    every rule of the spec holds for the entry too."""
+    stage = get_stage(name)
+    return create_model(
+        f"{name.capitalize()}Step", __base__=stage.spec_cls,
+        stage=(Literal[name], Field(description="the stage this entry runs")),
+        **{stage.input_field: _not_here("set by the pipeline: the output of the stage before"),
+           "then": _not_here("the pipeline's own `then` lists what follows")})

@@ -1,0 +1,112 @@
+"""`eyas run`: generate → extract → train → evaluate on the embedded default, with progress for each stage.
+
+The run fits a time budget (`--minutes`, default 10): it measures this machine's rates in its first seconds and
+sizes the prompts and the evaluation to fit (orchestration/budget.py), prints the plan, and ends with the stage
+times it took beside the plan's. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a
+local directory store. Every stage runs through the same pipeline code as the services.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from eyas.target import BUNDLED
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", type=Path, default=Path("eyas-work"), help="everything goes under DIR (default: %(default)s)")
+    p.add_argument("--target", default=BUNDLED, help="target model: HF directory or %(default)s")
+    p.add_argument("--prompts", default=None,
+                   help="training prompt file (default: prompts synthesized from the target itself)")
+    p.add_argument("--endpoint", default=None, help="OpenAI-compatible endpoint for generation (default: in-process)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="wall-time budget: prompts and evaluation are sized to fit it here (default: %(default)s)")
+    # defaults measured against alternatives on 2 cores: bench/README.md ("eyas run defaults")
+    p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: the budget's plan)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max new tokens per answer (default: 192, shorter only when the budget is under one batch)")
+    p.add_argument("--batch", type=int, default=48,
+                   help="requests generated at once (in-process: one batch) (default: %(default)s)")
+    p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="MT-bench prompts to evaluate on (default: the budget's plan, 10 at 10 minutes)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
+                   help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
+                   "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
+    """STAGE.FIELD[.FIELD…]=VALUE into specs[STAGE]; an unknown stage or a malformed item is an error that names
+    it (a field the stage does not have is named by the stage's own validation)."""
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        stage, *fields = path.split(".")
+        if not sep or not fields or stage not in specs:
+            raise SystemExit(f"--set {item!r}: expected STAGE.FIELD=VALUE with STAGE one of {', '.join(specs)}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = specs[stage]
+        for f in fields[:-1]:
+            node = node.setdefault(f, {})
+        node[fields[-1]] = value
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    from orchestration.embedded import EmbeddedRunner, command_line_settings
+
+    from orchestration.budget import measure_rates, plan_run, rates_line
+    from services.trainer.spec import CPU_PRESET
+
+    t0 = time.monotonic()
+    print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
+    rates = measure_rates(args.target, args.batch)
+    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or 192, spent_s=time.monotonic() - t0)
+    num_prompts = args.num_prompts or plan.num_prompts
+    max_tokens = args.max_tokens or plan.max_tokens
+    eval_prompts = args.eval_prompts or plan.eval_prompts
+    print(rates_line(rates))
+    print(plan.describe())
+    if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
+        print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
+              "(the flags given)")
+    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET}
+    if args.train_steps:
+        train["steps"] = args.train_steps
+    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts}
+    extract: dict = {"stage": "extract", "target": args.target}
+    spec = {
+        **({"prompts": args.prompts, "limit": num_prompts} if args.prompts else {"synthesize": num_prompts}),
+        "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "concurrency": args.batch,
+        "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
+    }
+    apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
+    spec["then"] = [extract, train, evaluate]
+    settings = command_line_settings("generate", spec, args.workdir)
+    jobs = EmbeddedRunner(settings).run_job("generate", spec)
+    print()
+    for job in jobs:  # each job is created when the one before it succeeds, and last updated when it ends
+        took = job.updated_at - job.created_at
+        planned = plan.seconds.get(job.stage)
+        print(f"  {job.stage:<9} {job.state:<10} {took:6.0f} s (planned {planned:.0f} s)  "
+              f"{job.artifacts.get('output', '')}")
+    report = jobs[-1]
+    if report.stage != "evaluate" or report.state != "succeeded":
+        print("pipeline did not finish; see the job records above")
+        return 1
+    print(f"\nacceptance length τ = {report.metrics.get('acceptance_length')}  "
+          f"(K = {report.metrics.get('k')}, in {time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
+    for name, uri in sorted(report.artifacts.items()):
+        print(f"  {name}: {uri}")
+    trained = next(j for j in jobs if j.stage == "train")
+    print("drafter exports (vLLM/SGLang: eagle; speculators):")
+    for name, uri in sorted(trained.artifacts.items()):
+        if name != "output":
+            print(f"  {name}: {uri}")
+    if report.metrics.get("serving_decision"):
+        print(f"\n{report.metrics['serving_decision']}")
+    return 0

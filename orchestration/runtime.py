@@ -1,0 +1,94 @@
+"""Wiring of a running process: the job store, the object store and the dispatcher, chosen by settings.mode.
+
+  service   RedisJobStore + S3Store + Celery (each job goes to its stage's queue; workers run it)
+  embedded  SQLite + local directory (orchestration.embedded) + a background thread of this process that runs the jobs
+
+Both hand jobs to `orchestration.execution.execute`, the one code path for every job.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestration.jobs import JobStore, RedisJobStore
+from orchestration.execution import Dispatch, Recruit, execute
+from eyas.settings import Settings
+from eyas.store import ObjectStore, S3Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    jobs: JobStore
+    store: ObjectStore
+    dispatch: Dispatch
+    recruit: Recruit | None = None  # service mode: helpers for a running job (orchestration.execution.assist)
+    checks: dict[str, Callable[[], None]] = field(default_factory=dict)  # readiness: name → raises if not ready
+    close: Callable[[], None] = lambda: None
+
+
+def service_runtime(settings: Settings) -> Runtime:
+    from orchestration.celery_app import celery_dispatch, celery_recruit, make_celery
+
+    app = make_celery(settings)
+    jobs = RedisJobStore(settings.redis_url)
+    store = S3Store(settings)
+
+    def broker() -> None:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=3)
+
+    return Runtime(settings=settings, jobs=jobs, store=store, dispatch=celery_dispatch(app),
+                   recruit=celery_recruit(app),
+                   checks={"broker": broker, "jobs": jobs.ping, "store": store.ping})
+
+
+class BackgroundExecutor:
+    """Embedded mode behind an API: jobs (and the stages of their `then`) run one at a time in a daemon thread.
+    On start it picks up the jobs a previous process left queued or running, as a worker would after a crash."""
+
+    def __init__(self, jobs: JobStore, store: ObjectStore, settings: Settings):
+        self.jobs, self.store, self.settings = jobs, store, settings
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="eyas-embedded-jobs", daemon=True)
+        left = [j for state in ("running", "queued") for j in jobs.list(limit=100_000, state=state)]
+        for job in sorted(left, key=lambda j: j.created_at):
+            self._queue.put(job.id)
+        self._thread.start()
+
+    def dispatch(self, _stage: str, job_id: str) -> None:
+        self._queue.put(job_id)
+
+    def _loop(self) -> None:
+        while (job_id := self._queue.get()) is not None:
+            try:
+                execute(job_id, self.jobs, self.store, self.settings, self.dispatch)
+            except Exception:  # recorded on the job by execute; the thread lives on
+                log.exception("job %s failed", job_id)
+
+    def alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the embedded job thread has stopped")
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+def embedded_runtime(settings: Settings) -> Runtime:
+    from orchestration.embedded import EmbeddedRunner
+
+    emb = EmbeddedRunner(settings)
+    executor = BackgroundExecutor(emb.jobs, emb.store, settings)
+    return Runtime(settings=settings, jobs=emb.jobs, store=emb.store, dispatch=executor.dispatch,
+                   checks={"executor": executor.alive, "jobs": emb.jobs.ping, "store": emb.store.ping},
+                   close=executor.close)
+
+
+def runtime_for(settings: Settings) -> Runtime:
+    return service_runtime(settings) if settings.mode == "service" else embedded_runtime(settings)

@@ -1,0 +1,63 @@
+"""vLLM servers the evaluator starts itself for the live check (Settings.vllm_command, set by the operator only):
+one process on a free loopback port, stopped (and waited for) when the check is done."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+READY_S = 600  # a cold vLLM start compiles for minutes; fp32 eager on a CPU is ready in about one
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, ready_s: float = READY_S,
+         ) -> Iterator[str]:
+    """`command` (shell words) + the model, name "target", loopback host and port [+ --speculative-config]; yields
+    the base URL once /health answers 200, or raises with the tail of the server's log."""
+    port = _free_port()
+    args = shlex.split(command) + ["--model", str(model_dir), "--served-model-name", "target",
+                                   "--host", "127.0.0.1", "--port", str(port)]
+    if speculative_config:
+        args += ["--speculative-config", json.dumps(speculative_config)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + ready_s
+            while not _healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    raise RuntimeError(f"vLLM ({args[0]} …) not serving on {url} "
+                                       f"({'exited ' + str(proc.returncode) if proc.poll() is not None else 'timeout'})"
+                                       f":\n{tail}")
+                time.sleep(1.0)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,79 @@
+"""Will this drafter speed up serving, at which concurrency, with how many draft tokens? The report's "serving" key.
+
+  1. acceptance  τ(K) for K = 1..K_MAX from one teacher-forced pass per prompt (services.evaluator.chains)
+  2. step times  the target's on the serving engine (a vLLM endpoint) or in-process, the drafter's in-process
+                 (services.evaluator.steptime)
+  3. prediction  tokens/s with and without speculation per (concurrency, K), best K, break-even, the decision
+                 line (services.evaluator.costmodel)
+  4. live check  the A/B on vLLM without and with the drafter at two concurrencies, at the K the speculative server
+                 runs (its /metrics: draft tokens / drafts): predicted vs measured speed-up in the steady state the
+                 model predicts (streams decoding together, steptime.endpoint_decode_rate), and end to end (live_ab:
+                 wall time of the prompts, prefills and a partly filled last batch included, which pull it toward 1)
+"""
+from __future__ import annotations
+
+from services.evaluator import costmodel, steptime
+from services.evaluator.chains import chain_acceptance, run_lengths
+from services.evaluator.live import live_ab
+from services.evaluator.specdec import PromptIds
+
+K_MAX = 7
+LIVE_CONCURRENCIES = (1, 4)
+# in-process target points: one forward over n new tokens (b = min(n, 64) sequences of n / b tokens)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def acceptance_per_k(target, drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds],
+                     outputs: list[list[int]], k_max: int) -> dict[int, dict]:
+    """K → chain acceptance (drafts, τ, per-position) over the prompts and their greedy outputs."""
+    runs = [run_lengths(target, drafter, aux_layers, p.ids, out, k_max) for p, out in zip(prompts, outputs,
+                                                                                            strict=True)]
+    return {k: chain_acceptance(runs, k) for k in range(1, k_max + 1)}
+
+
+def measure_steps(target, drafter, prompt: list[int], endpoint: str | None, api_key: str | None) -> tuple[
+        costmodel.StepTimes, dict]:
+    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process."""
+    drafter_points = steptime.drafter_step_times(drafter)
+    if endpoint:
+        target_points = steptime.endpoint_step_times(endpoint, prompt, api_key=api_key)
+        source = {"target": f"vLLM endpoint {endpoint}: decode step at batch b (streamed, ignore_eos)"}
+    else:
+        target_points = steptime.target_step_times(target, TOKENS)
+        source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
+    source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
+    times = costmodel.StepTimes(target=target_points, drafter=drafter_points)
+    return times, {"source": source, "target_s": target_points, "drafter_s": drafter_points}
+
+
+def predict(times: costmodel.StepTimes, per_k: dict[int, dict], eagle_model: str) -> dict:
+    """The recommendation, the exact --speculative-config for its K, and the decision line."""
+    rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()})
+    k = rec["best"][0]["k"]
+    rec["speculative_config"] = costmodel.speculative_config(eagle_model, k)
+    rec["decision"] = costmodel.decision(rec)
+    rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
+    return rec
+
+
+def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_endpoint: str,
+               times: costmodel.StepTimes, per_k: dict[int, dict], api_key: str | None,
+               concurrencies: tuple[int, ...] = LIVE_CONCURRENCIES) -> list[dict]:
+    """The A/B at each concurrency, with the prediction for the K the speculative server runs."""
+    out = []
+    ids = [p.ids for p in prompts]
+    for c in concurrencies:
+        ab = live_ab(prompts, max_tokens, endpoint, spec_endpoint, c, api_key=api_key)
+        spec = ab["speculative"]
+        k = round(spec["draft_tokens"] / spec["drafts"])
+        predicted = times.spec_tok_s(c, k, per_k[k]["acceptance_length"]) / times.plain_tok_s(c)
+        plain_rate, spec_rate = (steptime.endpoint_decode_rate(url, ids, c, max_tokens, api_key)
+                                 for url in (endpoint, spec_endpoint))
+        measured = spec_rate / plain_rate
+        out.append({"concurrency": c, "k": k, "predicted_speedup": predicted, "measured_speedup": measured,
+                    "relative_error": (predicted - measured) / measured, "decode_tok_s": [plain_rate, spec_rate],
+                    "measured_end_to_end_speedup": ab["speedup"],
+                    "baseline_tok_s": ab["baseline"]["tok_s"], "speculative_tok_s": spec["tok_s"],
+                    "tau_in_process": per_k[k]["acceptance_length"], "tau_vllm": spec["acceptance_length"],
+                    "outputs_equal": ab["outputs_equal"]})
+    return out

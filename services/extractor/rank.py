@@ -1,0 +1,44 @@
+"""One extractor process of several under torchrun: the job's plan, computed here as in every process, and every
+WORLD_SIZE-th of its shards from RANK on, extracted on this rank's GPU (LOCAL_RANK) into the job's artifact.
+
+    torchrun --nproc_per_node 8 -m services.extractor.rank --spec SPEC.json --output URI
+
+Its progress and the files it wrote go to stdout for the parent (services.extractor.core), which commits the
+manifest once every rank is done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from eyas.device import placement
+from eyas.manifest import ArtifactWriter
+from eyas.settings import get_settings
+from eyas.store import open_artifact
+from eyas.target import load_target
+from services.extractor.core import FILES_TAG, PROGRESS_TAG, Spec, prepare
+from services.extractor.shards import write_shards
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spec", required=True, help="extractor spec as JSON (its dtype resolved)")
+    p.add_argument("--output", required=True, help="the features artifact URI")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    spec = Spec.model_validate_json(args.spec)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    settings = get_settings()  # this process (a torchrun rank) reads the worker's environment
+    job = prepare(spec, settings)
+    target = load_target(spec.target, placement(settings, spec.dtype))
+    writer = ArtifactWriter(open_artifact(args.output, settings))
+    write_shards(target, job.layout, job.plan, range(rank, len(job.plan.shards), world), writer,
+                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True))
+    print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

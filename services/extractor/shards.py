@@ -1,0 +1,67 @@
+"""Extract planned shards: the capture forward per batch on the target's device, its states to the host on a side
+stream, and the shard files checked, written and uploaded by a background thread (services.extractor.offload).
+NaN/inf in any captured activation fails the job, naming the sample."""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from eyas.capture import capture
+from eyas.features import Sample, ShardBuffer, shard_name
+from eyas.layout import Layout
+from eyas.manifest import ArtifactWriter
+from eyas.target import Target
+from services.extractor.offload import Background, Ready, to_host
+from services.extractor.plan import Batch, Plan
+
+
+class BadActivation(ValueError):
+    pass
+
+
+def padded(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, T], right-padded to the longest sample (T)."""
+    T = len(batch[0].input_ids)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    mask = torch.zeros(len(batch), T, dtype=torch.long)
+    for b, item in enumerate(batch):
+        ids[b, : len(item.input_ids)] = torch.tensor(item.input_ids)
+        mask[b, : len(item.input_ids)] = 1
+    return ids, mask
+
+
+def _add(buf: ShardBuffer, batch: Batch, ready: Ready) -> None:
+    """(writer thread) Each sample's rows of the batch's host states, checked, into the shard."""
+    aux, final = ready()  # [B, T, n_aux·H], [B, T, H] bf16 on the host
+    for b, item in enumerate(batch):
+        n = len(item.input_ids)
+        a, f = aux[b, :n], final[b, :n]
+        if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
+            raise BadActivation(f"sample {item.id!r}: non-finite target activations (NaN/inf)")
+        buf.add(Sample(input_ids=torch.tensor(item.input_ids), loss_mask=torch.tensor(item.loss_mask),
+                       aux_hidden=a.clone(), final_hidden=f.clone()))  # clones: the padded batch can go
+
+
+def _flush(buf: ShardBuffer, path: Path, writer: ArtifactWriter) -> None:
+    """(writer thread) Write the shard file, upload it (its sha256 into writer.files), remove it."""
+    buf.write(path)
+    writer.put_file(path.name, path)
+    path.unlink()
+
+
+def write_shards(target: Target, layout: Layout, plan: Plan, indices: Iterable[int], writer: ArtifactWriter,
+                 progress: Callable[[int], None]) -> None:
+    """Extract the plan's shards `indices` into `writer`'s artifact; `progress(tokens)` after each batch's forward."""
+    with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp, Background() as background:
+        for index in indices:
+            buf = ShardBuffer()
+            for batch in plan.shards[index]:
+                ids, mask = padded(batch)
+                aux, final = capture(target, layout, ids, mask)  # on the target's input device
+                background.submit(partial(_add, buf, batch, to_host(aux, final)))
+                progress(sum(len(item.input_ids) for item in batch))
+            background.submit(partial(_flush, buf, Path(tmp) / shard_name(index), writer))

@@ -1,0 +1,113 @@
+"""The generation loop: every prompt a Work hands out is conversed through the engine (each assistant turn
+conditioned on the regenerated history), throttled, retried, and journaled."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
+
+from eyas.prompts import Prompt
+from eyas.stage import StageContext
+from services.generator.engine import Completion, Engine, EngineError
+from services.generator.journal import Journal
+from services.generator.retry import DeadLetter, backoff, retryable
+from services.generator.spec import Spec
+from services.generator.throttle import Throttle
+from services.generator.workshare import Work
+
+
+class Generator:
+    """Regenerates a prompt set through an engine: throttled (AIMD within a global maximum), retried, journaled."""
+
+    def __init__(self, spec: Spec, engine: Engine, throttle: Throttle, journal: Journal, ctx: StageContext):
+        self.spec, self.engine, self.throttle, self.journal, self.ctx = spec, engine, throttle, journal, ctx
+        self.stats = {"completed": 0, "failed": 0, "retried": 0, "completion_tokens": 0}
+        self._backoff = backoff(spec.retry_wait_s)
+        self._t0 = time.monotonic()
+
+    async def _turn(self, prompt_id: str, messages: list[dict]) -> Completion:
+        attempts = 0
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.spec.max_attempts), wait=self._backoff,
+                                               retry=retry_if_exception(retryable), reraise=True):
+                with attempt:
+                    attempts += 1
+                    if attempts > 1:
+                        self.stats["retried"] += 1
+                    async with self.throttle.slot(first=attempts > 1) as sent:
+                        try:
+                            c = await self.engine.chat(messages, self.spec.sampling)
+                        except EngineError as e:
+                            if retryable(e):  # overload or a failing server: congestion, if errors are common
+                                await self.throttle.failure(sent)
+                            raise
+                        await self.throttle.success(sent, c.latency_s, c.completion_tokens)
+                    return c
+        except EngineError as e:
+            raise DeadLetter(prompt_id, str(e), attempts) from e
+        raise AssertionError("unreachable")
+
+    async def converse(self, prompt: Prompt) -> dict:
+        """Each assistant turn is conditioned on the regenerated history; the system prompt is kept."""
+        messages: list[dict] = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        turns = []
+        for user in prompt.user_turns[: self.spec.max_turns]:
+            messages.append({"role": "user", "content": user})
+            c = await self._turn(prompt.id, [{"role": m["role"], "content": m["content"]} for m in messages])
+            reply = {"role": "assistant", "content": c.content}
+            if c.reasoning_content:
+                reply["reasoning_content"] = c.reasoning_content
+            messages.append(reply)
+            turns.append({"finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+                          "completion_tokens": c.completion_tokens, "latency_s": round(c.latency_s, 3)})
+        return {"id": prompt.id, "source": prompt.source, "messages": messages, "turns": turns,
+                "sampling": self.spec.sampling.model_dump(exclude={"chat_template_kwargs"}),
+                "chat_template_kwargs": self.spec.sampling.chat_template_kwargs,
+                **({"meta": prompt.meta} if prompt.meta else {})}
+
+    def _report(self, work: Work, total: int, already: int) -> None:
+        """The coordinator's view on the job record: every participant's finished prompts, its own rates."""
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        self.ctx.metrics.update(**self.stats, in_flight=self.throttle.in_flight,
+                                concurrency=round(self.throttle.limit.limit, 2),
+                                tokens_per_s=round(self.stats["completion_tokens"] / elapsed, 1))
+        own = self.stats["completed"] + self.stats["failed"]
+        self.ctx.progress(already + max(own, work.finished_count()), total, "prompts")
+
+    async def run(self, prompts: dict[str, Prompt], work: Work, already: int = 0, coordinator: bool = True) -> None:
+        """Generate the prompts `work` hands out, journaling each; `already` were finished before. The coordinator
+        also waits until no prompt is open anywhere (taking over the claims of participants that died)."""
+        from tqdm.asyncio import tqdm
+
+        total = already + len(prompts) if coordinator else len(prompts)
+        bar = tqdm(total=total, initial=already, desc="generate", unit="prompt")
+
+        async def worker():
+            while True:
+                prompt_id = work.claim()
+                if prompt_id is None:
+                    self.journal.flush()  # commit (and so release) what this process holds before waiting
+                    if not coordinator or work.open_count() == 0:
+                        return
+                    await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
+                    self._report(work, total, already)
+                    continue
+                try:
+                    rec = await self.converse(prompts[prompt_id])
+                except DeadLetter as e:
+                    self.journal.add_dead(e.record)
+                    self.stats["failed"] += 1
+                else:
+                    self.journal.add(rec)
+                    self.stats["completed"] += 1
+                    self.stats["completion_tokens"] += sum(t["completion_tokens"] for t in rec["turns"])
+                bar.update(1)
+                if coordinator:
+                    self._report(work, total, already)
+
+        # Two tasks per slot this process may hold, so that prompts waiting out a retry's backoff leave no slot idle;
+        # the throttle decides how many are in flight.
+        await asyncio.gather(*(worker() for _ in range(max(1, min(2 * self.throttle.most, len(prompts))))))
+        self.journal.flush()
+        bar.close()

@@ -1,0 +1,78 @@
+"""The train job's spec, its machine-dependent defaults, the CPU preset `eyas run` uses, and opening the features a
+spec names (checked against the target here)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from eyas.confine import names
+from eyas.device import DTypeName, placement
+from eyas.features import FeatureReader
+from eyas.layout import Layout, check_layout
+from eyas.settings import Settings
+from eyas.stage import StageSpec
+from eyas.store import open_artifact
+from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
+from services.trainer.vocab import DEFAULT_DRAFT_VOCAB
+
+# Settings for a CPU run on the bundled target (`eyas run` merges them into its trainer spec); the measurements
+# behind each value are in bench/README.md ("Trainer CPU preset").
+CPU_PRESET: dict[str, Any] = {"ttt_steps": 3, "draft_vocab_size": 4096, "lr": 3e-3, "batch_tokens": 512,
+                              "warmup": 10, "epochs": 3.0}
+
+
+class Spec(StageSpec):
+    features: names("artifact") = Field(
+        description="features artifact URI (s3://bucket/features/ID) or local directory")
+    target: names("target", exact=(BUNDLED,)) | None = Field(
+        None, description="target model (HF directory under an input root, or the bundled name); default: the one "
+        "the features record")
+    draft_vocab_size: int = Field(DEFAULT_DRAFT_VOCAB, ge=16, le=1_048_576,
+                                  description="Vd, the drafter's vocabulary size")
+    ttt_steps: int = Field(7, ge=1, le=16, description="training-time-test steps (drafted tokens trained)")
+    steps: int | None = Field(None, ge=1, le=100_000_000,
+                              description="optimizer steps; default: `epochs` over the train split")
+    epochs: float = Field(1.0, gt=0, le=1000)
+    lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate (AdamW)")
+    warmup: int = Field(50, ge=0, le=100_000_000, description="linear warmup steps, then cosine decay to 0")
+    batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step (all processes)")
+    val_every: int = Field(10, ge=2, le=1_000_000, description="every Nth sample (i mod N = 0) is validation, the rest train")
+    val_interval: int = Field(100, ge=0, le=100_000_000, description="validate every N steps (0: only at the end)")
+    checkpoint_every: int = Field(200, ge=1, le=100_000_000, description="checkpoint every N steps (and at the end)")
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    dtype: DTypeName = Field("auto", description="compute dtype (bf16: autocast) and the exports' dtype; auto: "
+                             "EYAS_DTYPE (bf16 on a GPU, fp32 on the CPU)")
+    resume: names("artifact", exact=("auto", "never")) = Field(
+        "auto", description="'auto' (continue this job's own checkpoint if any), "
+                        "'never', or the URI of an unfinished trainer job's artifact to continue")
+    processes: int | None = Field(None, ge=1, le=64, description="DDP processes under torchrun (NCCL on GPUs); "
+                                  "default: one per visible GPU, 1 on a CPU")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each TTT step's draft-vocabulary logits in the backward pass instead of keeping "
+        "them (ttt_steps × supervised tokens × Vd × 8 bytes less: for a large draft vocabulary)")
+
+
+def resolve(spec: Spec, settings: Settings) -> Spec:
+    """The spec with the defaults that depend on the machine filled in: the dtype ("auto": EYAS_DTYPE, else bf16 on
+    a GPU), the processes (one per visible GPU)."""
+    place = placement(settings, spec.dtype)
+    gpus = torch.cuda.device_count() if place.device.type == "cuda" else 1
+    return spec.model_copy(update={"dtype": place.dtype_name, "processes": spec.processes or gpus})
+
+
+def open_features(spec: Spec, settings: Settings) -> tuple[FeatureReader, Layout]:
+    """The features reader and its layout, after checking that the target here is the one they were extracted
+    from (config and tokenizer/chat-template hashes, sizes)."""
+    reader = FeatureReader(open_artifact(spec.features, settings))
+    layout = reader.layout
+    target = spec.target or layout.target
+    cfg = json.loads((resolve_target(target) / "config.json").read_text())
+    here = Layout(target=target, target_config_hash=config_hash(resolve_target(target)),
+                  tokenizer_hash=tokenizer_hash(load_tokenizer(target)), num_layers=cfg["num_hidden_layers"],
+                  hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], aux_layers=layout.aux_layers,
+                  dtype=layout.dtype)
+    check_layout(here, layout, what=f"features {spec.features} for target {target!r}")
+    return reader, layout

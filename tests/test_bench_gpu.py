@@ -1,0 +1,28 @@
+"""bench/gpu.py, the GPU check, runs its whole course on a CPU with tiny shapes and prints its one JSON line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_on_the_cpu_with_tiny_shapes():
+    env = {**os.environ, "EYAS_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, "bench/gpu.py", "--tiny"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = out.stdout.splitlines()
+    result = json.loads(line)
+    assert result["device"] == "cpu" and result["shapes"] == "tiny" and result["dtype"] == "bfloat16"
+    extract = result["extract"]
+    assert extract["tokens"] > 0 and extract["ratio"] == extract["capture_tok_s"] / extract["plain_tok_s"]
+    train = result["train"]
+    assert train["tokens_per_s"] > 0 and train["tflops"] > 0 and train["mfu"] is None  # no known peak on a CPU
+    specdec = result["specdec"]
+    assert specdec["drafts"] > 0 and specdec["greedy_mismatches"] == []
+    assert specdec["matches_greedy"] == (specdec["near_ties"] == [])
+    assert result["peak_memory_gib"] > 0
