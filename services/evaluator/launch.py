@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shlex
 import socket
 import subprocess
@@ -41,10 +42,13 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
             while not _healthy(url):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
-                    tail = log.read().decode(errors="replace")[-2000:]
+                    text = log.read().decode(errors="replace")
+                    # vLLM's engine process logs the root cause far above the tail's "see root cause above"
+                    causes = [line for line in text.splitlines()
+                              if re.search(r"\w(Error|Exception): ", line) and " WARNING " not in line]
                     raise RuntimeError(f"vLLM ({args[0]} …) not serving on {url} "
                                        f"({'exited ' + str(proc.returncode) if proc.poll() is not None else 'timeout'})"
-                                       f":\n{tail}")
+                                       f"; root cause: {causes[0] if causes else 'none logged'}:\n{text[-2000:]}")
                 time.sleep(1.0)
             yield url
         finally:

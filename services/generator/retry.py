@@ -19,7 +19,7 @@ def retryable(e: BaseException) -> bool:
 def backoff(first_s: float) -> Callable[[RetryCallState], float]:
     """Waits before each retry: first_s, doubling each try up to 30 s, each plus up to first_s at random (so
     requests that failed together do not retry together), but never sooner than the server's Retry-After."""
-    exponential = wait_exponential_jitter(initial=first_s, max=30.0, jitter=first_s)
+    exponential = wait_exponential_jitter(multiplier=first_s, max=30.0, jitter=first_s)
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
