@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import socket
 import subprocess
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from services.evaluator.launch import root_cause, stop as stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -45,16 +46,6 @@ def _wait(check, timeout: float, what: str, proc: subprocess.Popen | None = None
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s\n{tail}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free port (never the machine's shared 6379 instance)."""
@@ -70,7 +61,7 @@ def redis_server() -> Iterator[str]:
         _wait(lambda: redis.Redis(port=port).ping(), 20, "redis-server", proc)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        _stop(proc)
+        stop_process(proc, wait_s=20)
 
 
 S3_ACCESS, S3_SECRET = "eyas-test", "eyas-test-secret"
@@ -137,7 +128,7 @@ class WeedServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc, wait_s=20)
             self.proc = None
 
     def remove(self) -> None:
@@ -182,10 +173,8 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
         try:
             _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, "vLLM", proc, log)
         except (RuntimeError, TimeoutError) as e:  # the root cause is often far above the log's tail
-            causes = [line for line in log.read_text(errors="replace").splitlines()
-                      if re.search(r"\w(Error|Exception): ", line) and " WARNING " not in line]
-            raise type(e)(f"{e}\nroot cause: {causes[0] if causes else 'none logged'}") from None
+            raise type(e)(f"{e}\nroot cause: {root_cause(log.read_text(errors='replace'))}") from None
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc, wait_s=20)
         shutil.rmtree(logdir, ignore_errors=True)

@@ -43,21 +43,32 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     text = log.read().decode(errors="replace")
-                    # vLLM's engine process logs the root cause far above the tail's "see root cause above"
-                    causes = [line for line in text.splitlines()
-                              if re.search(r"\w(Error|Exception): ", line) and " WARNING " not in line]
                     raise RuntimeError(f"vLLM ({args[0]} …) not serving on {url} "
                                        f"({'exited ' + str(proc.returncode) if proc.poll() is not None else 'timeout'})"
-                                       f"; root cause: {causes[0] if causes else 'none logged'}:\n{text[-2000:]}")
+                                       f"; root cause: {root_cause(text)}:\n{text[-2000:]}")
                 time.sleep(1.0)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def root_cause(log_text: str) -> str:
+    """The first error line of a vLLM log: its engine process logs the cause far above the tail's "See root cause
+    above"."""
+    causes = [line for line in log_text.splitlines()
+              if re.search(r"\w(Error|Exception): ", line) and " WARNING " not in line]
+    return causes[0] if causes else "none logged"
+
+
+def stop(proc: subprocess.Popen, wait_s: float = 30) -> None:
+    """Terminate and wait; kill what does not exit within wait_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _healthy(url: str) -> bool:
