@@ -52,7 +52,7 @@ def run_variant(name: str, seed: int, minutes: float, workdir: Path) -> dict:
         return {"variant": name, "seed": seed, "wall_s": wall, "error": proc.stdout[-600:] + proc.stderr[-600:]}
     uri = re.search(r"^  report_json: (\S+)$", proc.stdout, re.M)[1]
     report = json.loads(Path(unquote(urlparse(uri).path)).read_text())
-    taus = [1 + r["accepted"] / r["drafts"] for r in report["per_prompt"] if r.get("drafts")]
+    taus = [1 + sum(r["accepted_per_pos"]) / r["drafts"] for r in report["acceptance"]["per_prompt"] if r["drafts"]]
     second = report.get("second_set") or {}
     return {"variant": name, "seed": seed, "wall_s": wall, "tau": report["acceptance_length"],
             "tau_se": statistics.stdev(taus) / math.sqrt(len(taus)) if len(taus) > 1 else None,

@@ -4,7 +4,8 @@ In its first seconds the run measures what each stage's time is made of, with th
   decode    new tokens/s of in-process generation at the run's batch (prompt synthesis and the answers)
   forward   target forward tokens/s over whole conversations (extraction)
   train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths)
-  step      seconds of one single-sequence target step with a KV cache (evaluation decodes token by token)
+  step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
+            decoding of DECODE_PROMPTS prompts goes token by token)
 and then sizes the prompts (whole in-process batches), the evaluation prompts and, for budgets too small for one
 batch, the answer length, so that the whole run fits. What one prompt costs in tokens (the constants below) was
 measured on the bundled target; bench/README.md ("eyas run --minutes") has the plans against the times they took.
@@ -23,7 +24,12 @@ ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the ca
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
 EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
 SECOND_SET_PROMPTS = 5  # the evaluator's second held-out set (services/evaluator/core.py: second_num_prompts)
-EVAL_PASSES = 1.8  # the evaluator decodes each prompt twice: speculatively (~τ tokens per step) and plain greedy
+# The evaluator's greedy outputs run in batches of 16 (services/evaluator/specdec.py: greedy), dearer per token than
+# generation's batch of 48, and each prompt then has one teacher-forced forward (the replay).
+EVAL_GREEDY_COST = 1.8  # seconds per evaluation token, in units of 1 / decode_tok_s
+DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-process (the replay's check)
+DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
+STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (services/evaluator/steptime.py)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
 EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET)
 TRAIN_SHARE = 0.9  # of the samples (val_every 10)
@@ -53,8 +59,9 @@ class Plan:
 
 
 def eval_prompts_for(minutes: float) -> int:
-    """More prompts for longer runs: τ's spread over prompts shrinks as 1/√n (10 at 10 min, 35 at 60)."""
-    return max(4, min(80, round(10 + (minutes - 10) / 2)))
+    """More prompts for longer runs: τ's spread over prompts shrinks as 1/√n (20 at 10 min, 70 at 60; MT-bench has
+    80). Each costs its greedy output and one forward (the replay): about 2 s on 2 cores."""
+    return max(4, min(80, round(20 + (minutes - 10))))
 
 
 def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int) -> dict[str, float]:
@@ -65,7 +72,9 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
         "generate": fixed + prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer) / rates.decode_tok_s,
         "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
         "train": fixed + EPOCHS * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
-        "evaluate": fixed + (eval_prompts + SECOND_SET_PROMPTS) * EVAL_NEW_TOKENS * EVAL_PASSES * rates.step_s,
+        "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
+        + (eval_prompts + SECOND_SET_PROMPTS) * (EVAL_NEW_TOKENS * EVAL_GREEDY_COST / rates.decode_tok_s
+                                                 + (PROMPT_TOKENS + EVAL_NEW_TOKENS) / rates.forward_tok_s),
     }
 
 

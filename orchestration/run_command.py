@@ -31,7 +31,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests generated at once (in-process: one batch) (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=None,
-                   help="MT-bench prompts to evaluate on (default: the budget's plan, 10 at 10 minutes)")
+                   help="MT-bench prompts to evaluate on (default: the budget's plan, 20 at 10 minutes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
@@ -59,7 +59,7 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.embedded import EmbeddedRunner, command_line_settings
 
-    from orchestration.budget import measure_rates, plan_run, rates_line
+    from orchestration.budget import DECODE_PROMPTS, measure_rates, plan_run, rates_line
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
@@ -77,7 +77,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     train: dict = {"stage": "train", "target": args.target, **CPU_PRESET}
     if args.train_steps:
         train["steps"] = args.train_steps
-    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts}
+    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts,
+                      "decode_prompts": DECODE_PROMPTS}
     extract: dict = {"stage": "extract", "target": args.target}
     spec = {
         **({"prompts": args.prompts, "limit": num_prompts} if args.prompts else {"synthesize": num_prompts}),

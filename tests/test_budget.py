@@ -22,7 +22,7 @@ def test_more_minutes_buy_more_prompts_in_whole_batches_and_more_evaluation():
     plans = [plan_run(m, QUIET, batch=48) for m in (10, 30, 60)]
     assert [p.num_prompts for p in plans] == sorted({p.num_prompts for p in plans})  # strictly more
     assert all(p.num_prompts % 48 == 0 and p.max_tokens == 192 for p in plans)
-    assert plans[0].eval_prompts == 10 and plans[0].eval_prompts < plans[1].eval_prompts < plans[2].eval_prompts
+    assert plans[0].eval_prompts == 20 and plans[0].eval_prompts < plans[1].eval_prompts < plans[2].eval_prompts
     for minutes, plan in zip((10, 30, 60), plans, strict=True):  # one more batch would not have fitted
         more = stage_seconds(QUIET, plan.num_prompts + 48, plan.max_tokens, plan.eval_prompts)
         assert sum(more.values()) > minutes * 60

@@ -84,10 +84,14 @@ def test_report_artifact_has_the_contract_fields_and_plots(evaluated):
     assert report["exports"] == {"eagle": f"{drafter}/eagle", "speculators": f"{drafter}/speculators"}
     assert report["wiring"]["served"]["vllm:eagle"] == report["wiring"]["trained"] == ["out(1)", "out(14)", "out(26)"]
 
-    ip = report["in_process"]
-    assert ip["drafts"] > 0 and ip["matches_greedy"] is True
+    # τ is replayed from one teacher-forced pass per prompt over the greedy output; real speculative decoding of
+    # the same prompts (all of them by default) counts exactly the same drafts and acceptances
+    ip, scored = report["in_process"], report["acceptance"]
+    assert ip["drafts"] > 0 and ip["matches_greedy"] is True and ip["replay_matches"] is True
+    assert (scored["drafts"], scored["accepted_per_pos"]) == (ip["drafts"], ip["accepted_per_pos"])
     assert report["acceptance_length"] == pytest.approx(1 + ip["accepted"] / ip["drafts"])
     assert report["per_position_acceptance"] == [a / ip["drafts"] for a in ip["accepted_per_pos"]]
+    assert [r["drafts"] for r in scored["per_prompt"]] == [r["drafts"] for r in report["per_prompt"]]
     # accepting position i+1 needs position i accepted
     assert all(a >= b for a, b in zip(ip["accepted_per_pos"], ip["accepted_per_pos"][1:], strict=False))
     assert job.metrics["acceptance_length"] == report["acceptance_length"]

@@ -34,7 +34,7 @@ from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from services.evaluator.live import timed_completions
-from services.evaluator.serving import acceptance_per_k
+from services.evaluator.chains import replay, run_lengths
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.servers import VLLM_PYTHON, vllm_server
@@ -119,7 +119,8 @@ def test_one_pass_acceptance_per_k_equals_a_real_k_chain(trained):
     layout = Layout.from_dict(read_manifest(open_artifact(drafter), kind="drafter").layout)
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
     real = measure_acceptance(target, d, layout.aux_layers, prompts, 2, MAX_TOKENS)
-    per_k = acceptance_per_k(target, d, layout.aux_layers, prompts, [r["output"] for r in real["per_prompt"]], 7)
+    per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
+                    for p, r in zip(prompts, real["per_prompt"], strict=True)], 7)
     print(f"\nK = 2 run: {real['drafts']} drafts, accepted per position {real['accepted_per_pos']}; replayed: "
           f"{per_k[2]['drafts']}, {per_k[2]['accepted_per_pos']}; K = 7 replayed: {per_k[7]['accepted_per_pos']} "
           f"of {per_k[7]['drafts']}")

@@ -14,8 +14,10 @@ The pass (shapes for one prompt of P tokens with output O, N = P + O, T = N - 1 
   draft j    row t feeds (its pre-norm state of step j-1, preds[t+j]) at position t+j, attending to step-0 keys
              ≤ t and its own keys of steps 1..j (eyas.drafter.TTTCache): while every earlier draft was accepted it
              equals preds[t+j], so this is the real chain exactly as long as it matters
-A draft past the last known prediction (the end of the output) counts as rejected: the last round of a prompt may
-accept slightly less than in live decoding.
+  beyond     the output's last round may draft past its end (past max_new_tokens or a stop token): live decoding
+             checks those drafts against the target's next greedy tokens and counts them before truncating, so the
+             target continues greedily for k_max − 1 tokens past the end (KV cache, one token per forward) and the
+             last rounds are checked against them too. The replay then counts exactly what live decoding counts.
 """
 from __future__ import annotations
 
@@ -27,34 +29,55 @@ from eyas.target import Target
 
 
 @torch.inference_mode()
-def run_lengths(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompt: list[int],
-                output: list[int], k_max: int) -> list[int]:
-    """a(s) for s = 0..len(output)-1: drafts (of k_max) the target accepts from context prompt + output[:s]."""
-    on = drafter.fc.weight.device
-    ids = torch.tensor([prompt + output], device=on)  # [1, N]
+def target_pass(target: Target, aux_layers: tuple[int, ...], ids: torch.Tensor,
+                k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [1, N] (on the drafter's device) → aux states [1, N, n_aux·H_t], and preds [N + k_max - 1]: the target's
+    greedy token after each prefix ids[:m+1], continued greedily k_max - 1 tokens past the end."""
+    on = ids.device
     with hooks(target, aux_layers) as got:
-        preds = target.model(input_ids=ids).logits[0].argmax(-1)  # [N]: the target's token after ids[:m+1]
-        aux = gather(got, aux_layers, on)  # [1, N, n_aux·H_t]
-    n = ids.shape[1]
-    rows = n - 1
+        out = target.model(input_ids=ids, use_cache=True)
+        aux = gather(got, aux_layers, on)
+    preds = [out.logits[0].argmax(-1)]
+    cache = out.past_key_values
+    for _ in range(k_max - 1):  # one token per forward, from the KV cache
+        nxt = target.model(input_ids=preds[-1][-1:][None], past_key_values=cache, use_cache=True)
+        preds.append(nxt.logits[0, -1:].argmax(-1))
+    return aux, torch.cat(preds).to(on)
+
+
+@torch.inference_mode()
+def drafter_runs(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor, prompt_len: int,
+                 k_max: int) -> list[int]:
+    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds."""
+    on = drafter.fc.weight.device
+    ids, aux, preds = ids.to(on), aux.to(on, drafter.fc.weight.dtype), preds.to(on)
+    rows = ids.shape[1] - 1
     pos = torch.arange(rows, device=on)[None]  # [1, T]
     cache = TTTCache()
     hidden = drafter.step(ids[:, 1:], drafter.project(aux[:, :rows]), pos, cache)  # [1, T, H]
     run = torch.zeros(rows, dtype=torch.long, device=on)  # accepted so far per row
     alive = torch.ones(rows, dtype=torch.bool, device=on)  # every draft so far accepted
     for j in range(k_max):
-        if j:
-            fed = torch.full((rows,), int(preds[-1]), device=on)
-            fed[: n - j] = preds[j: n][:rows]  # row t feeds preds[t+j] (past the end: never read, see `known`)
-            hidden = drafter.step(fed[None], hidden, pos + j, cache)
+        if j:  # row t feeds preds[t+j]: the token draft j proposed, while every earlier draft was accepted
+            hidden = drafter.step(preds[j: j + rows][None], hidden, pos + j, cache)
         draft = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))[0]  # [T]: row t's draft j+1
-        known = torch.arange(rows, device=on) + 1 + j < n  # preds[t+1+j] exists
-        check = torch.zeros(rows, dtype=torch.bool, device=on)
-        check[known] = draft[known] == preds[1 + j:][: int(known.sum())]
-        alive &= check
+        alive &= draft == preds[1 + j: 1 + j + rows]
         run += alive.long()
     # round start s (context prompt + output[:s]) is the row ending at its last token: t = P + s - 2
-    return run[len(prompt) - 2: len(prompt) - 2 + len(output)].tolist()
+    return run[prompt_len - 2: rows - 1].tolist()  # O entries
+
+
+def run_lengths(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompt: list[int],
+                output: list[int], k_max: int) -> list[int]:
+    """a(s) for s = 0..len(output)-1: drafts (of k_max) the target accepts from context prompt + output[:s]."""
+    ids = torch.tensor([prompt + output], device=drafter.fc.weight.device)  # [1, N]
+    aux, preds = target_pass(target, aux_layers, ids, k_max)
+    return drafter_runs(drafter, ids, aux, preds, len(prompt), k_max)
+
+
+def replay(runs: list[list[int]], k_max: int) -> dict[int, dict]:
+    """K → chain acceptance for K = 1..k_max over the same run lengths."""
+    return {k: chain_acceptance(runs, k) for k in range(1, k_max + 1)}
 
 
 def chain_acceptance(runs: list[list[int]], k: int) -> dict:

@@ -4,12 +4,15 @@
                 job fails naming the export, the engine, both layer lists and the kind of mismatch)
   2. accuracy   teacher-forced accuracy per TTT step (eyas.ttt.ttt_forward) on the validation split of
                 the drafter's own features (or on all samples of `features` when given)
-  3. acceptance greedy chain speculative decoding with the real target on (held-out MT-bench) prompts: τ and
-                per-position acceptance in vLLM's definitions, and equality with the target's plain greedy output;
-                against what teacher-forced accuracy predicts per position; and τ on a second held-out set
-                (ShareGPT first turns), so a gain that fits one benchmark only shows
-  4. live       with `endpoint` / `spec_endpoint`: the same prompts on vLLM without / with the drafter
-  5. serving    predicted tokens/s and speed-up per (concurrency, K) from step times measured on the serving engine,
+  3. acceptance the real target's plain greedy output on (held-out MT-bench) prompts (batched), then one
+                teacher-forced pass per prompt replayed as K-chains (services.evaluator.chains): τ and per-position
+                acceptance in vLLM's definitions for every K ≤ 7, at the cost of a forward per prompt instead of
+                one per round; against what teacher-forced accuracy predicts per position; and τ on a second
+                held-out set (ShareGPT first turns), so a gain that fits one benchmark only shows
+  4. decoding   real greedy chain speculative decoding in-process on the first `decode_prompts` prompts: its
+                output must equal the plain greedy output, and its counts the replay's (`in_process`)
+  5. live       with `endpoint` / `spec_endpoint`: the same prompts on vLLM without / with the drafter
+  6. serving    predicted tokens/s and speed-up per (concurrency, K) from step times measured on the serving engine,
                 the best K and where speculation stops paying (services.evaluator.serving); checked live on vLLM
                 at two concurrencies when both endpoints are given or Settings.vllm_command starts the missing ones
 Writes reports/{id}/: report.json, report.html, PNGs, manifest (kind "report").
@@ -45,7 +48,8 @@ from services.evaluator import costmodel, launch, serving
 from services.evaluator import report as reports
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.evaluator.live import live_ab
-from services.evaluator.specdec import eval_prompts, measure_acceptance
+from services.evaluator.chains import chain_acceptance, replay, run_lengths
+from services.evaluator.specdec import PromptIds, eval_prompts, greedy, measure_acceptance, stop_ids
 from services.evaluator.wiring import check_wiring
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,10 @@ class Spec(StageSpec):
         "drafter was trained on it; null: none")
     second_num_prompts: int = Field(5, ge=1, le=10_000, description="the first N prompts of second_prompts")
     max_new_tokens: int = Field(128, ge=1, le=4096)
+    decode_prompts: int | None = Field(
+        None, ge=1, le=10_000, description="prompts also decoded speculatively in-process, token by token (the "
+        "check that the replayed τ is what real decoding counts); τ itself comes from every prompt's replay; "
+        "default: all")
     features: names("artifact") | None = Field(
         None, description="features URI for accuracy (all samples); default: the drafter's own features, "
         "validation split")
@@ -93,9 +101,30 @@ def _second_set(spec: Spec, settings, target, drafter: Drafter, layout: Layout, 
     except TrainedOnEvalPrompts as e:
         return {"source": spec.second_prompts, "skipped": str(e)}
     prompts = eval_prompts(target.tokenizer, spec.second_prompts, spec.second_num_prompts, chat_template_kwargs)
-    decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens)
-    return {"source": spec.second_prompts, "count": len(prompts), "acceptance_length": decoded["acceptance_length"],
-            "per_position_acceptance": decoded["per_position_acceptance"]}
+    _, runs = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
+    scored = chain_acceptance(runs, spec.k)
+    return {"source": spec.second_prompts, "count": len(prompts), "acceptance_length": scored["acceptance_length"],
+            "per_position_acceptance": scored["per_position_acceptance"]}
+
+
+def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds], max_new_tokens: int,
+              k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The target's plain greedy outputs and, per prompt, the run lengths of K_max-chains over them (one
+    teacher-forced pass each; services.evaluator.chains)."""
+    outputs = greedy(target, [p.ids for p in prompts], max_new_tokens, stop_ids(target))
+    k_max = max(serving.K_MAX, k)
+    runs = [run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max)
+            for p, out in zip(prompts, outputs, strict=True)]
+    return outputs, runs
+
+
+def _per_prompt(prompts: list[PromptIds], outputs: list[list[int]], runs: list[list[int]], k: int) -> list[dict]:
+    """Each prompt's own replayed drafts and accepted per position (τ's spread over prompts)."""
+    rows = []
+    for p, out, run in zip(prompts, outputs, runs, strict=True):
+        c = chain_acceptance([run], k)
+        rows.append({"id": p.id, "tokens": len(out), "drafts": c["drafts"], "accepted_per_pos": c["accepted_per_pos"]})
+    return rows
 
 
 def _gap(accuracy: list[float], measured: list[float | None], k: int) -> dict | None:
@@ -107,15 +136,13 @@ def _gap(accuracy: list[float], measured: list[float | None], k: int) -> dict | 
             "ratio": [round(m / e, 3) if m is not None and e else None for m, e in zip(measured, expected, strict=True)]}
 
 
-def _serving(spec: Spec, ctx: StageContext, target, drafter: Drafter, layout: Layout, prompts, decoded: dict,
+def _serving(spec: Spec, ctx: StageContext, target, drafter: Drafter, prompts, per_k: dict[int, dict],
              eagle_dir: Path, eagle_model: str) -> dict:
     """Predict serving speed per (concurrency, K) and check it live when vLLM is at hand: the job's endpoints, or
     servers started with the operator's Settings.vllm_command (the speculative one at the recommended K)."""
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
     command = ctx.settings.vllm_command
-    per_k = serving.acceptance_per_k(target, drafter, layout.aux_layers, prompts,
-                                     [r["output"] for r in decoded["per_prompt"]], max(serving.K_MAX, spec.k))
     with contextlib.ExitStack() as servers:
         endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target)))
                                      if command else None)
@@ -200,10 +227,21 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         ctx.metrics.update(per_position_accuracy=accuracy)
 
         prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts, facts.chat_template_kwargs)
-        decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, spec.k, spec.max_new_tokens,
-                           progress=lambda done, total: ctx.progress(done, total, "prompts"))
+        outputs, runs = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
+        per_k = replay(runs, max(serving.K_MAX, spec.k))
+        scored = per_k[spec.k]
+        n_decode = min(spec.decode_prompts or len(prompts), len(prompts))
+        decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts[:n_decode], spec.k,
+                                     spec.max_new_tokens, references=outputs[:n_decode],
+                                     progress=lambda done, total: ctx.progress(done, total, "prompts decoded"))
+        replayed = chain_acceptance(runs[:n_decode], spec.k)
+        decoded["replay_matches"] = (replayed["drafts"], replayed["accepted_per_pos"]) == (
+            decoded["drafts"], decoded["accepted_per_pos"])
         if decoded["greedy_mismatches"]:
             log.warning("speculative output differs from plain greedy for %s", decoded["greedy_mismatches"])
+        if not decoded["replay_matches"]:
+            log.warning("decoding counted %s drafts / %s accepted, the replay %s / %s", decoded["drafts"],
+                        decoded["accepted_per_pos"], replayed["drafts"], replayed["accepted_per_pos"])
         for tie in decoded["near_ties"]:
             log.info("near tie (%s dtype) at %s", place.dtype_name, tie)
         live = None
@@ -211,12 +249,11 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             key = ctx.settings.endpoint_api_key  # from the settings: a spec never carries one (eyas.confine)
             live = live_ab(prompts, spec.max_new_tokens, spec.endpoint, spec.spec_endpoint, spec.concurrency,
                            api_key=key.get_secret_value() if key else None)
-            greedy_out = [r["output"] for r in decoded["per_prompt"]]
             for run_ in ("baseline", "speculative"):
                 if run_ in live:  # token ids are compared here, not stored
-                    live[run_]["matches_in_process_greedy"] = live[run_].pop("outputs") == greedy_out
+                    live[run_]["matches_in_process_greedy"] = live[run_].pop("outputs") == outputs
         second = _second_set(spec, ctx.settings, target, drafter, layout, trained_on, facts.chat_template_kwargs)
-        served = _serving(spec, ctx, target, drafter, layout, prompts, decoded, local / EAGLE_DIR,
+        served = _serving(spec, ctx, target, drafter, prompts, per_k, local / EAGLE_DIR,
                           _local_or_uri(f"{drafter_uri}/{EAGLE_DIR}"))
 
     report = {
@@ -224,13 +261,17 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         "layout": layout.to_dict(),
         "k": spec.k,
         "per_position_accuracy": accuracy,
-        "acceptance_length": decoded["acceptance_length"],
-        "per_position_acceptance": decoded["per_position_acceptance"],
+        "acceptance_length": scored["acceptance_length"],
+        "per_position_acceptance": scored["per_position_acceptance"],
+        "acceptance": {"drafts": scored["drafts"], "accepted_per_pos": scored["accepted_per_pos"],
+                       "prompts": len(prompts), "max_new_tokens": spec.max_new_tokens,
+                       "method": "the target's greedy output, one teacher-forced pass per prompt replayed as K-chains",
+                       "per_prompt": _per_prompt(prompts, outputs, runs, spec.k)},
         "exports": {name: f"{drafter_uri}/{name}" for name in EXPORT_DIRS if f"{name}/config.json" in manifest.files},
         # what the server must render prompts with for the drafter to see what it was trained on
         "serve_with": {"chat_template_kwargs": facts.chat_template_kwargs},
         "expected_acceptance_length": reports.expected_acceptance_length(accuracy, spec.k) if accuracy else None,
-        "acceptance_gap": _gap(accuracy, decoded["per_position_acceptance"], spec.k),
+        "acceptance_gap": _gap(accuracy, scored["per_position_acceptance"], spec.k),
         "second_set": second,
         "drafter": drafter_uri,
         "features": {"uri": features_uri, "split": "all" if spec.features else "validation",
@@ -249,9 +290,10 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     writer = ArtifactWriter(ctx.output)
     for name, data in files.items():
         writer.put_bytes(name, data)
-    metrics = {"acceptance_length": decoded["acceptance_length"], "k": spec.k,
-               "per_position_acceptance": decoded["per_position_acceptance"], "per_position_accuracy": accuracy,
-               "matches_greedy": decoded["matches_greedy"], "serving_decision": served["decision"]}
+    metrics = {"acceptance_length": scored["acceptance_length"], "k": spec.k,
+               "per_position_acceptance": scored["per_position_acceptance"], "per_position_accuracy": accuracy,
+               "matches_greedy": decoded["matches_greedy"], "replay_matches_decoding": decoded["replay_matches"],
+               "serving_decision": served["decision"]}
     if second and "acceptance_length" in second:
         metrics["second_set_acceptance_length"] = second["acceptance_length"]
     if live is not None:
@@ -261,8 +303,9 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             metrics["live_speedup"] = live["speedup"]
     writer.commit(Manifest(kind="report", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
                            inputs=[drafter_uri] + ([features_uri] if features_uri else []),
-                           counts={"prompts": len(prompts), "drafts": decoded["drafts"],
-                                   "accepted": decoded["accepted"], "accuracy_samples": acc_samples},
+                           counts={"prompts": len(prompts), "drafts": scored["drafts"],
+                                   "accepted": sum(scored["accepted_per_pos"]), "decoded_prompts": n_decode,
+                                   "accuracy_samples": acc_samples},
                            layout=layout.to_dict(), metrics=metrics))
     out = ctx.output.uri
     return StageResult(output_uri=out, metrics=metrics,

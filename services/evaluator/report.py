@@ -4,7 +4,9 @@ report.json keys (REQUIRED are always present; the others when measured):
   target, layout, k, per_position_accuracy, acceptance_length, per_position_acceptance, exports   REQUIRED
   live            vLLM A/B: baseline / speculative tok/s, speed-up, τ and per-position acceptance from /metrics
   serve_with      the chat template kwargs (e.g. enable_thinking) the server must render prompts with
-  wiring, in_process, expected_acceptance_length, drafter, features, prompts, training
+  acceptance      τ's counts (drafts, accepted per position), overall and per prompt, and how they were measured
+  in_process      real speculative decoding of the first decode_prompts prompts: equality with greedy, counts
+  wiring, expected_acceptance_length, drafter, features, prompts, training
   compute         the device the target and drafter ran on, and their dtype
   serving         will it speed up serving (services/evaluator/serving.py): measured step times (target_s, drafter_s,
                   source), τ per K (tau_per_k), predicted tok/s and speed-up per concurrency and K (table), the best
@@ -193,22 +195,25 @@ def _second_set_text(second: dict[str, Any] | None) -> str:
 
 def render_html(report: dict[str, Any], images: list[str]) -> str:
     ip = report.get("in_process", {})
+    scored = report.get("acceptance", {})
     layout = report["layout"]
     summary = [
         ("target", report["target"]),
         ("drafter", report.get("drafter", "")),
         ("aux layers (trained, physical out(i))", layout["aux_layers"]),
         ("K (draft tokens per step)", report["k"]),
-        ("acceptance length τ (in-process, incl. bonus)", report["acceptance_length"]),
+        ("acceptance length τ (replayed over the target's greedy output, incl. bonus)", report["acceptance_length"]),
         ("per-position acceptance", report["per_position_acceptance"]),
         ("teacher-forced accuracy per TTT step", report["per_position_accuracy"]),
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
         ("per position: measured / expected from accuracy", (report.get("acceptance_gap") or {}).get("ratio")),
         ("τ on the second held-out set", _second_set_text(report.get("second_set"))),
-        ("prompts", f"{ip.get('prompts')} × ≤{ip.get('max_new_tokens')} tokens "
+        ("prompts", f"{scored.get('prompts')} × ≤{scored.get('max_new_tokens')} tokens "
                     f"({(report.get('prompts') or {}).get('source', '')})"),
-        ("drafts / accepted", f"{ip.get('drafts')} / {ip.get('accepted')}"),
-        ("output equals plain greedy", f"{ip.get('matches_greedy')} (mismatches: {ip.get('greedy_mismatches')})"),
+        ("drafts / accepted", f"{scored.get('drafts')} / {sum(scored.get('accepted_per_pos') or [])}"),
+        ("decoded speculatively in-process", f"{ip.get('prompts')} prompts: output equals plain greedy "
+         f"{ip.get('matches_greedy')} (mismatches: {ip.get('greedy_mismatches')}), counts equal the replay's "
+         f"{ip.get('replay_matches')}"),
         ("exports", ", ".join(f"{k}: {v}" for k, v in report["exports"].items())),
         ("serve with chat_template_kwargs",
          json.dumps((report.get("serve_with") or {}).get("chat_template_kwargs"))),

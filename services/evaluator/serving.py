@@ -1,6 +1,7 @@
 """Will this drafter speed up serving, at which concurrency, with how many draft tokens? The report's "serving" key.
 
-  1. acceptance  τ(K) for K = 1..K_MAX from one teacher-forced pass per prompt (services.evaluator.chains)
+  1. acceptance  τ(K) for K = 1..K_MAX from one teacher-forced pass per prompt (services.evaluator.chains; the
+                 evaluator computes it once for its headline τ and passes it here)
   2. step times  the target's on the serving engine (a vLLM endpoint) or in-process, the drafter's in-process
                  (services.evaluator.steptime)
   3. prediction  tokens/s with and without speculation per (concurrency, K), best K, break-even, the decision
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 from services.evaluator import costmodel, steptime
-from services.evaluator.chains import chain_acceptance, run_lengths
 from services.evaluator.live import live_ab
 from services.evaluator.specdec import PromptIds
 
@@ -21,14 +21,6 @@ K_MAX = 7
 LIVE_CONCURRENCIES = (1, 4)
 # in-process target points: one forward over n new tokens (b = min(n, 64) sequences of n / b tokens)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def acceptance_per_k(target, drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds],
-                     outputs: list[list[int]], k_max: int) -> dict[int, dict]:
-    """K → chain acceptance (drafts, τ, per-position) over the prompts and their greedy outputs."""
-    runs = [run_lengths(target, drafter, aux_layers, p.ids, out, k_max) for p, out in zip(prompts, outputs,
-                                                                                            strict=True)]
-    return {k: chain_acceptance(runs, k) for k in range(1, k_max + 1)}
 
 
 def measure_steps(target, drafter, prompt: list[int], endpoint: str | None, api_key: str | None) -> tuple[

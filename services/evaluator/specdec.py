@@ -195,12 +195,14 @@ def divergence(target: Target, prompt: list[int], speculative: list[int], refere
 
 
 def measure_acceptance(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds], k: int,
-             max_new_tokens: int, progress=None) -> dict:
-    """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality."""
+             max_new_tokens: int, progress=None, references: list[list[int]] | None = None) -> dict:
+    """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality.
+    `references`: the prompts' plain greedy outputs when the caller has them (else decoded here)."""
     stop = stop_ids(target)
     drafts, per_pos, spec_tokens, spec_s, forwards = 0, [0] * k, 0, 0.0, 0
     records = []
-    references = greedy(target, [p.ids for p in prompts], max_new_tokens, stop)
+    if references is None:
+        references = greedy(target, [p.ids for p in prompts], max_new_tokens, stop)
     for i, (p, ref) in enumerate(zip(tqdm(prompts, desc="evaluate", unit="prompt"), references, strict=True)):
         spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop)
         diff = first_difference(spec.tokens, ref)
