@@ -1,6 +1,7 @@
-"""Ablation: what moves τ at equal wall time. Each variant is `eyas run --minutes N --set …`: the budget planner
-(orchestration/budget.py) sizes every variant's data to the same wall time, so a lever that makes prompts dearer
-(longer answers, more epochs) pays for itself with fewer of them. Prints, per variant and seed, τ on held-out
+"""Ablation: what moves τ at equal wall time. Each variant is `eyas run --minutes N …`: the budget planner
+(orchestration/budget.py) sizes every variant's data to the same wall time, so a variant whose answers are longer
+or shorter (--max-tokens) gets fewer or more prompts; a --set that makes a stage dearer (more epochs) is not
+re-planned, and its wall time column shows what it cost. Prints, per variant and seed, τ on held-out
 MT-bench with its spread over prompts (standard error of the mean of per-prompt τ), τ on the second held-out set
 the report carries when the evaluator has one (`report.json: second_set`), and the wall time; then the mean per
 variant over seeds and its difference from the baseline.
@@ -23,28 +24,32 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-# lever → the `eyas run --set` items it changes (the baseline is the defaults)
+# lever → the `eyas run` arguments it changes (the baseline is the defaults); --set STAGE.FIELD=VALUE items, or
+# run flags the budget planner sizes the run with (--max-tokens: fewer tokens per answer buy more prompts)
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     # data: the labels are the target's own hidden states, so sampled answers still teach its distribution
-    "sampled-0.7": ["generate.sampling.temperature=0.7"],
-    "sampled-1.0": ["generate.sampling.temperature=1.0"],
-    "two-turns": ["generate.synth_turns=2", "generate.max_turns=2"],
+    "sampled-0.7": ["--set", "generate.sampling.temperature=0.7"],
+    "sampled-1.0": ["--set", "generate.sampling.temperature=1.0"],
+    "two-turns": ["--set", "generate.synth_turns=2", "--set", "generate.max_turns=2"],
+    "answers-128": ["--max-tokens", "128"],
+    "answers-96": ["--max-tokens", "96"],
+    "batch-96": ["--batch", "96"],  # in-process generation batch: more tokens/s, prompts in whole batches of 96
     # recipe
-    "lr-1e-3": ["train.lr=0.001"],
-    "epochs-2": ["train.epochs=2"],
-    "epochs-4": ["train.epochs=4"],
-    "ttt-5": ["train.ttt_steps=5"],
-    "vocab-8192": ["train.draft_vocab_size=8192"],
-    "batch-1024": ["train.batch_tokens=1024"],
+    "lr-1e-3": ["--set", "train.lr=0.001"],
+    "epochs-2": ["--set", "train.epochs=2"],
+    "epochs-4": ["--set", "train.epochs=4"],
+    "ttt-5": ["--set", "train.ttt_steps=5"],
+    "vocab-8192": ["--set", "train.draft_vocab_size=8192"],
+    "batch-1024": ["--set", "train.batch_tokens=1024"],
 }
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_variant(name: str, seed: int, minutes: float, workdir: Path) -> dict:
-    sets = VARIANTS[name] + [f"generate.synth_seed={seed}", f"train.seed={seed}"]
     cmd = [sys.executable, "-m", "orchestration.cli", "run", "--minutes", str(minutes), "--workdir",
-           str(workdir / f"{name}-{seed}")] + [a for s in sets for a in ("--set", s)]
+           str(workdir / f"{name}-{seed}"), *VARIANTS[name], "--set", f"generate.synth_seed={seed}",
+           "--set", f"train.seed={seed}"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
@@ -72,7 +77,7 @@ def main() -> None:
     args = p.parse_args()
     if args.list:
         for name, sets in VARIANTS.items():
-            print(f"{name:<12} {' '.join(sets) or '(defaults)'}")
+            print(f"{name:<14} {' '.join(sets) or '(defaults)'}")
         return
     rows = []
     for seed in range(args.seeds):
