@@ -34,6 +34,7 @@ VARIANTS: dict[str, list[str]] = {
     "two-turns": ["--set", "generate.synth_turns=2", "--set", "generate.max_turns=2"],
     "answers-128": ["--max-tokens", "128"],
     "answers-96": ["--max-tokens", "96"],
+    "answers-64": ["--max-tokens", "64"],
     "batch-96": ["--batch", "96"],  # in-process generation batch: more tokens/s, prompts in whole batches of 96
     # recipe
     "lr-1e-3": ["--set", "train.lr=0.001"],

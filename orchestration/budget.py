@@ -7,7 +7,7 @@ In its first seconds the run measures what each stage's time is made of, with th
   step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
             decoding of DECODE_PROMPTS prompts goes token by token)
 and then sizes the prompts (whole in-process batches), the evaluation prompts and, for budgets too small for one
-batch, the answer length, so that the whole run fits. What one prompt costs in tokens (the constants below) was
+batch, the answer length, so that the whole run fits; the time whole batches leave buys training epochs. What one prompt costs in tokens (the constants below) was
 measured on the bundled target; bench/README.md ("eyas run --minutes") has the plans against the times they took.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ SYNTH_DRAWS = 1.2  # candidate requests drawn per kept prompt (the rest lack an 
 SYNTH_TOKENS = 48  # tokens sampled per candidate request
 ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap)
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
+ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md, "What moves τ")
 EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
 SECOND_SET_PROMPTS = 5  # the evaluator's second held-out set (services/evaluator/core.py: second_num_prompts)
 # The evaluator's greedy outputs run in batches of 16 (services/evaluator/specdec.py: greedy), dearer per token than
@@ -31,7 +32,12 @@ DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-proces
 DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
 STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (services/evaluator/steptime.py)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
-EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET)
+EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET), what prompts are sized with
+MAX_EPOCHS = 6.0  # the time whole batches leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
+# Generation takes this much longer than the rate probe (16 tokens a request) predicts: synthesis's candidate
+# batches run to their longest request, and a growing KV cache makes each step dearer. Measured: 1.26–1.30 on four
+# `eyas run`s at batch 48 (bench/README.md, "eyas run --minutes").
+GENERATE_SLOWDOWN = 1.3
 TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 
 
@@ -49,12 +55,13 @@ class Plan:
     num_prompts: int
     max_tokens: int
     eval_prompts: int
+    epochs: float
     seconds: dict[str, float]  # predicted, per stage
 
     def describe(self) -> str:
         stages = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
         return (f"plan for {self.minutes:g} min: {self.num_prompts} prompts × {self.max_tokens} tokens, "
-                f"{self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
+                f"{self.epochs:g} epochs, {self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
                 f"(total {sum(self.seconds.values()):.0f} s)")
 
 
@@ -64,24 +71,25 @@ def eval_prompts_for(minutes: float) -> int:
     return max(4, min(80, round(20 + (minutes - 10))))
 
 
-def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int) -> dict[str, float]:
+def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int,
+                  epochs: float = EPOCHS) -> dict[str, float]:
     """Predicted seconds per stage; model loads and writes are spread over the stages by FIXED_S / 4."""
     answer = ANSWER_FILL * max_tokens
     fixed = FIXED_S / 4
     return {
-        "generate": fixed + prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer) / rates.decode_tok_s,
+        "generate": fixed + GENERATE_SLOWDOWN * prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer) / rates.decode_tok_s,
         "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
-        "train": fixed + EPOCHS * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
+        "train": fixed + epochs * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
         "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
         + (eval_prompts + SECOND_SET_PROMPTS) * (EVAL_NEW_TOKENS * EVAL_GREEDY_COST / rates.decode_tok_s
                                                  + (PROMPT_TOKENS + EVAL_NEW_TOKENS) / rates.forward_tok_s),
     }
 
 
-def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = 192, spent_s: float = 0.0) -> Plan:
+def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_TOKENS, spent_s: float = 0.0) -> Plan:
     """The most prompts (whole batches: a part batch costs nearly a whole one's wall time) whose stages fit the
-    budget less `spent_s` (measuring); below one batch, fewer prompts, then shorter answers, down to a floor that
-    still trains something."""
+    budget less `spent_s` (measuring) at EPOCHS; below one batch, fewer prompts, then shorter answers, down to a
+    floor that still trains something. What is left then buys epochs, up to MAX_EPOCHS."""
     budget = minutes * 60 - spent_s
     n_eval = eval_prompts_for(minutes)
 
@@ -93,11 +101,14 @@ def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = 192, sp
     if prompts == 0:  # under one batch: as many prompts as fit, answers shortened down to 64 tokens
         tokens = max_tokens
         while tokens > 64 and total(batch, tokens) > budget:
-            tokens -= 32
+            tokens -= 16
         per_prompt = (total(batch, tokens) - total(0, tokens)) / batch
         fit = math.floor((budget - total(0, tokens)) / per_prompt)
         prompts, max_tokens = (batch * (fit // batch) if fit >= batch else max(8, fit)), tokens
-    return Plan(minutes, prompts, max_tokens, n_eval, stage_seconds(rates, prompts, max_tokens, n_eval))
+    per_epoch = stage_seconds(rates, prompts, max_tokens, n_eval, 1.0)["train"] - FIXED_S / 4
+    left = budget - total(prompts, max_tokens)
+    epochs = min(MAX_EPOCHS, EPOCHS + math.floor(10 * max(0.0, left) / per_epoch) / 10) if per_epoch > 0 else EPOCHS
+    return Plan(minutes, prompts, max_tokens, n_eval, epochs, stage_seconds(rates, prompts, max_tokens, n_eval, epochs))
 
 
 def measure_rates(target_name: str, batch: int) -> Rates:

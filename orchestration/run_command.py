@@ -26,7 +26,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     # defaults measured against alternatives on 2 cores: bench/README.md ("eyas run defaults")
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: the budget's plan)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="max new tokens per answer (default: 192, shorter only when the budget is under one batch)")
+                   help="max new tokens per answer (default: 96, shorter only when the budget is under one batch)")
     p.add_argument("--batch", type=int, default=48,
                    help="requests generated at once (in-process: one batch) (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
@@ -59,13 +59,13 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.embedded import EmbeddedRunner, command_line_settings
 
-    from orchestration.budget import DECODE_PROMPTS, measure_rates, plan_run, rates_line
+    from orchestration.budget import ANSWER_TOKENS, DECODE_PROMPTS, measure_rates, plan_run, rates_line
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
     print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
     rates = measure_rates(args.target, args.batch)
-    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or 192, spent_s=time.monotonic() - t0)
+    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS, spent_s=time.monotonic() - t0)
     num_prompts = args.num_prompts or plan.num_prompts
     max_tokens = args.max_tokens or plan.max_tokens
     eval_prompts = args.eval_prompts or plan.eval_prompts
@@ -74,7 +74,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
         print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
               "(the flags given)")
-    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET}
+    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs}
     if args.train_steps:
         train["steps"] = args.train_steps
     evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts,

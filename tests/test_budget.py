@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestration.budget import Rates, plan_run, stage_seconds
+from orchestration.budget import EPOCHS, MAX_EPOCHS, Rates, plan_run, stage_seconds
 from orchestration.run_command import apply_overrides
 
 # about what a quiet 2-core machine measures with the bundled target
@@ -21,11 +21,21 @@ def test_the_plan_fits_the_budget(minutes):
 def test_more_minutes_buy_more_prompts_in_whole_batches_and_more_evaluation():
     plans = [plan_run(m, QUIET, batch=48) for m in (10, 30, 60)]
     assert [p.num_prompts for p in plans] == sorted({p.num_prompts for p in plans})  # strictly more
-    assert all(p.num_prompts % 48 == 0 and p.max_tokens == 192 for p in plans)
+    assert all(p.num_prompts % 48 == 0 and p.max_tokens == 96 for p in plans)
     assert plans[0].eval_prompts == 20 and plans[0].eval_prompts < plans[1].eval_prompts < plans[2].eval_prompts
     for minutes, plan in zip((10, 30, 60), plans, strict=True):  # one more batch would not have fitted
         more = stage_seconds(QUIET, plan.num_prompts + 48, plan.max_tokens, plan.eval_prompts)
         assert sum(more.values()) > minutes * 60
+
+
+def test_the_time_whole_batches_leave_buys_epochs_up_to_the_cap():
+    for minutes in (10, 30, 60):
+        plan = plan_run(minutes, QUIET, batch=48)
+        assert EPOCHS <= plan.epochs <= MAX_EPOCHS and sum(plan.seconds.values()) <= minutes * 60
+        if plan.epochs < MAX_EPOCHS:  # a tenth of an epoch more would not have fitted
+            more = stage_seconds(QUIET, plan.num_prompts, plan.max_tokens, plan.eval_prompts, plan.epochs + 0.1)
+            assert sum(more.values()) > minutes * 60
+    assert plan_run(10, QUIET, batch=48, max_tokens=4000).epochs == EPOCHS  # nothing left: the preset's
 
 
 def test_a_slow_machine_gets_fewer_prompts_and_shorter_answers_not_an_overrun():

@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlparse
 def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "orchestration.cli", "run", "--workdir", str(tmp_path / "w"), "--num-prompts", "4",
-         "--max-tokens", "24", "--batch", "4", "--train-steps", "3", "--eval-prompts", "1",
+         "--max-tokens", "24", "--batch", "4", "--train-steps", "3", "--eval-prompts", "2",
          # a short evaluation: 16 new tokens, one prompt of the second held-out set
          "--set", "evaluate.max_new_tokens=16", "--set", "evaluate.second_num_prompts=1"],
         capture_output=True, text=True, timeout=900)
@@ -28,6 +28,9 @@ def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     paths = {name: Path(unquote(urlparse(uri).path)) for name, uri in re.findall(r"^  (\w+): (file://\S+)$", out, re.M)}
     report = json.loads(paths["report_json"].read_text())
     assert report["acceptance_length"] == tau and report["prompts"]["source"] == "bundled:mt_bench"
+    # τ is the replay's over both prompts; eyas run decodes one of them for real, counted as the replay counts
+    assert report["acceptance"]["prompts"] == 2 and len(report["acceptance"]["per_prompt"]) == 2
+    assert report["in_process"]["prompts"] == 1 and report["in_process"]["replay_matches"] is True
     assert (paths["eagle"] / "config.json").is_file() and (paths["speculators"] / "config.json").is_file()
     assert str(tmp_path / "w") in str(paths["report_json"])  # --workdir holds everything
     assert "synthesized 4 prompts" in proc.stderr  # the default trains on prompts synthesized from the target
