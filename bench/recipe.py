@@ -92,7 +92,7 @@ def main() -> None:
     cache = args.cache or args.workdir / "passes.pt"
     target = load_target(layout.target)
     if cache.is_file():
-        passes = torch.load(cache)
+        passes = torch.load(cache, weights_only=True)  # tensors, ints and tuples only
     else:
         print(f"target passes for {args.prompts} + {args.second} prompts (once, cached in {cache}) ...", flush=True)
         passes = {name: target_passes(target, layout.aux_layers, src, n, args.max_new_tokens)
