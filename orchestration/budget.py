@@ -7,8 +7,9 @@ In its first seconds the run measures what each stage's time is made of, with th
   step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
             decoding of DECODE_PROMPTS prompts goes token by token)
 and then sizes the prompts (whole in-process batches), the evaluation prompts and, for budgets too small for one
-batch, the answer length, so that the whole run fits; the time whole batches leave buys training epochs. What one prompt costs in tokens (the constants below) was
-measured on the bundled target; bench/README.md ("eyas run --minutes") has the plans against the times they took.
+batch, the answer length, so that the whole run fits; the time whole batches leave buys training epochs. What one
+prompt costs in tokens (the constants below) was measured on the bundled target; bench/README.md ("eyas run
+--minutes") has the plans against the times they took.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
     answer = ANSWER_FILL * max_tokens
     fixed = FIXED_S / 4
     return {
-        "generate": fixed + GENERATE_SLOWDOWN * prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer) / rates.decode_tok_s,
+        "generate": fixed + GENERATE_SLOWDOWN * prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer)
+        / rates.decode_tok_s,
         "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
         "train": fixed + epochs * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
         "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
@@ -86,7 +88,8 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
     }
 
 
-def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_TOKENS, spent_s: float = 0.0) -> Plan:
+def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_TOKENS,
+             spent_s: float = 0.0) -> Plan:
     """The most prompts (whole batches: a part batch costs nearly a whole one's wall time) whose stages fit the
     budget less `spent_s` (measuring) at EPOCHS; below one batch, fewer prompts, then shorter answers, down to a
     floor that still trains something. What is left then buys epochs, up to MAX_EPOCHS."""
@@ -107,8 +110,11 @@ def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_
         prompts, max_tokens = (batch * (fit // batch) if fit >= batch else max(8, fit)), tokens
     per_epoch = stage_seconds(rates, prompts, max_tokens, n_eval, 1.0)["train"] - FIXED_S / 4
     left = budget - total(prompts, max_tokens)
-    epochs = min(MAX_EPOCHS, EPOCHS + math.floor(10 * max(0.0, left) / per_epoch) / 10) if per_epoch > 0 else EPOCHS
-    return Plan(minutes, prompts, max_tokens, n_eval, epochs, stage_seconds(rates, prompts, max_tokens, n_eval, epochs))
+    epochs = EPOCHS
+    if per_epoch > 0:  # in tenths of an epoch
+        epochs = min(MAX_EPOCHS, EPOCHS + math.floor(10 * max(0.0, left) / per_epoch) / 10)
+    return Plan(minutes, prompts, max_tokens, n_eval, epochs,
+                stage_seconds(rates, prompts, max_tokens, n_eval, epochs))
 
 
 def measure_rates(target_name: str, batch: int) -> Rates:

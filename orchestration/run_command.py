@@ -65,7 +65,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
     rates = measure_rates(args.target, args.batch)
-    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS, spent_s=time.monotonic() - t0)
+    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS,
+                    spent_s=time.monotonic() - t0)
     num_prompts = args.num_prompts or plan.num_prompts
     max_tokens = args.max_tokens or plan.max_tokens
     eval_prompts = args.eval_prompts or plan.eval_prompts

@@ -101,21 +101,21 @@ def _second_set(spec: Spec, settings, target, drafter: Drafter, layout: Layout, 
     except TrainedOnEvalPrompts as e:
         return {"source": spec.second_prompts, "skipped": str(e)}
     prompts = eval_prompts(target.tokenizer, spec.second_prompts, spec.second_num_prompts, chat_template_kwargs)
-    _, runs = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
-    scored = chain_acceptance(runs, spec.k)
+    _, _, per_k = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
+    scored = per_k[spec.k]
     return {"source": spec.second_prompts, "count": len(prompts), "acceptance_length": scored["acceptance_length"],
             "per_position_acceptance": scored["per_position_acceptance"]}
 
 
 def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds], max_new_tokens: int,
-              k: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The target's plain greedy outputs and, per prompt, the run lengths of K_max-chains over them (one
-    teacher-forced pass each; services.evaluator.chains)."""
+              k: int) -> tuple[list[list[int]], list[list[int]], dict[int, dict]]:
+    """The target's plain greedy outputs, per prompt the run lengths of K_max-chains over them (one teacher-forced
+    pass each; services.evaluator.chains), and their replay for every K ≤ K_max (K_max covers `k`)."""
     outputs = greedy(target, [p.ids for p in prompts], max_new_tokens, stop_ids(target))
     k_max = max(serving.K_MAX, k)
     runs = [run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max)
             for p, out in zip(prompts, outputs, strict=True)]
-    return outputs, runs
+    return outputs, runs, replay(runs, k_max)
 
 
 def _per_prompt(prompts: list[PromptIds], outputs: list[list[int]], runs: list[list[int]], k: int) -> list[dict]:
@@ -123,7 +123,8 @@ def _per_prompt(prompts: list[PromptIds], outputs: list[list[int]], runs: list[l
     rows = []
     for p, out, run in zip(prompts, outputs, runs, strict=True):
         c = chain_acceptance([run], k)
-        rows.append({"id": p.id, "tokens": len(out), "drafts": c["drafts"], "accepted_per_pos": c["accepted_per_pos"]})
+        rows.append({"id": p.id, "tokens": len(out), "drafts": c["drafts"],
+                     "accepted_per_pos": c["accepted_per_pos"]})
     return rows
 
 
@@ -227,8 +228,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         ctx.metrics.update(per_position_accuracy=accuracy)
 
         prompts = eval_prompts(target.tokenizer, spec.prompts, spec.num_prompts, facts.chat_template_kwargs)
-        outputs, runs = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
-        per_k = replay(runs, max(serving.K_MAX, spec.k))
+        outputs, runs, per_k = _replayed(target, drafter, layout, prompts, spec.max_new_tokens, spec.k)
         scored = per_k[spec.k]
         n_decode = min(spec.decode_prompts or len(prompts), len(prompts))
         decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts[:n_decode], spec.k,
@@ -265,7 +265,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         "per_position_acceptance": scored["per_position_acceptance"],
         "acceptance": {"drafts": scored["drafts"], "accepted_per_pos": scored["accepted_per_pos"],
                        "prompts": len(prompts), "max_new_tokens": spec.max_new_tokens,
-                       "method": "the target's greedy output, one teacher-forced pass per prompt replayed as K-chains",
+                       "method": "the target's greedy output, one teacher-forced pass per prompt replayed as "
+                                 "K-chains",
                        "per_prompt": _per_prompt(prompts, outputs, runs, spec.k)},
         "exports": {name: f"{drafter_uri}/{name}" for name in EXPORT_DIRS if f"{name}/config.json" in manifest.files},
         # what the server must render prompts with for the drafter to see what it was trained on
