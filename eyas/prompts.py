@@ -172,6 +172,19 @@ def check_prompt_head(path: Path, max_bytes: int = HEAD_BYTES) -> None:
         parse_record(r, path.stem, i)
 
 
+def spread_sample(prompts: list[Prompt], n: int | None) -> list[Prompt]:
+    """n prompts spread evenly over the list, one per distinct first user turn (all of them when n is None or
+    more). Evaluation sets are often sorted by category (MT-bench: 8 categories of 10), so the first n would
+    score the first categories only; the bundled ShareGPT set repeats its first turns."""
+    first: dict[str, Prompt] = {}
+    for p in prompts:
+        first.setdefault(p.user_turns[0], p)
+    distinct = list(first.values())  # in file order (dicts keep insertion order)
+    if n is None or n >= len(distinct):
+        return distinct
+    return [distinct[i * len(distinct) // n] for i in range(n)]
+
+
 BUNDLED_PROMPTS = ("sharegpt", "mt_bench")
 BUNDLED_NAMES = tuple(f"bundled:{name}" for name in BUNDLED_PROMPTS)  # how a spec names them
 

@@ -15,6 +15,7 @@ from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.neardup import NearDupIndex
 from services.generator.engine import Completion, InProcessEngine, SamplingParams
 from services.generator.synthesize import pre_query_text, synthesize_prompts
+from services.generator.task_mix import TASK_OPENERS, task_openers
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,43 @@ def test_synthesis_draws_in_chunks_sized_to_what_is_still_needed():
     assert fake.calls == [8, 8, 5] and counts["sampled"] == 21
     capped, _ = asyncio.run(synthesize_prompts(_Scripted(), load_tokenizer(BUNDLED), 10, chunk=8, max_candidates=12))
     assert len(capped) == 6  # 12 candidates at most, half of them usable
+
+
+class _Recording(_Scripted):
+    """The scripted engine, keeping the texts it was asked to continue."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts: list[str] = []
+
+    async def complete_many(self, texts, params):
+        self.texts += texts
+        return await super().complete_many(texts, params)
+
+
+def test_openers_start_the_requests_in_turn():
+    fake, tok = _Recording(), load_tokenizer(BUNDLED)
+    openers = ["Write a Python function that", "Solve", ""]
+    kept, _ = asyncio.run(synthesize_prompts(fake, tok, 4, chunk=8, openers=openers))
+    prefix = pre_query_text(tok)
+    assert fake.texts[:4] == [prefix + o for o in openers + openers[:1]]  # candidate i gets openers[i % 3]
+    # the scripted engine ends the turn of candidates 1, 3, 5, 7 only: their openers, in order, are kept
+    assert [p.meta["opener"] for p in kept] == ["Solve", "Write a Python function that", "", "Solve"]
+    assert all(p.user_turns[0].startswith(p.meta["opener"]) for p in kept)  # the request begins with it
+
+
+def test_task_mix_spans_every_category_within_one_round():
+    openers = task_openers()
+    assert set(openers[: len(TASK_OPENERS)]) == {group[0] for group in TASK_OPENERS.values()}
+    assert sorted(openers) == sorted(o for group in TASK_OPENERS.values() for o in group)
+    assert Spec(synthesize=8).synth_openers is None  # the default: the task mix (gather_prompts)
+
+
+def test_the_target_continues_an_opener_into_a_request(engine):
+    kept, counts = asyncio.run(synthesize_prompts(engine, engine.tok, 2, seed=3, openers=["Write a poem about"]))
+    assert len(kept) == 2 and counts["kept"] == 2
+    for p in kept:
+        assert p.user_turns[0].startswith("Write a poem about ") and len(p.user_turns[0]) > len("Write a poem about ")
 
 
 def test_follow_ups_continue_the_conversation_reproducibly(engine):

@@ -64,12 +64,15 @@ class Spec(StageSpec):
     prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) = Field(
         "bundled:mt_bench", description="prompts to decode (first user turns): a prompt file or bundled:NAME; "
         "MT-bench is held out from training")
-    num_prompts: int = Field(20, ge=1, le=10_000, description="the first N prompts")
+    num_prompts: int = Field(20, ge=1, le=10_000, description="N prompts spread evenly over the file, one per "
+                             "distinct first turn (MT-bench's 8 categories in equal shares, where the first 20 "
+                             "would be writing and role play only)")
     second_prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) | None = Field(
         "bundled:sharegpt", description="a second held-out prompt set scored beside `prompts` (first user turns), "
         "so that a gain that fits only one benchmark shows; skipped, with the reason in the report, when the "
         "drafter was trained on it; null: none")
-    second_num_prompts: int = Field(5, ge=1, le=10_000, description="the first N prompts of second_prompts")
+    second_num_prompts: int = Field(5, ge=1, le=10_000, description="N prompts of second_prompts, "
+                                    "spread evenly, distinct first turns")
     max_new_tokens: int = Field(128, ge=1, le=4096)
     decode_prompts: int | None = Field(
         None, ge=1, le=10_000, description="prompts also decoded speculatively in-process, token by token (the "
@@ -123,9 +126,18 @@ def _per_prompt(prompts: list[PromptIds], outputs: list[list[int]], runs: list[l
     rows = []
     for p, out, run in zip(prompts, outputs, runs, strict=True):
         c = chain_acceptance([run], k)
-        rows.append({"id": p.id, "tokens": len(out), "drafts": c["drafts"],
+        rows.append({"id": p.id, "category": p.category, "tokens": len(out), "drafts": c["drafts"],
                      "accepted_per_pos": c["accepted_per_pos"]})
     return rows
+
+
+def _per_category(prompts: list[PromptIds], runs: list[list[int]], k: int) -> dict[str, float | None]:
+    """τ over each category's prompts (MT-bench's writing, math, coding, …), where the prompt file has them."""
+    groups: dict[str, list[list[int]]] = {}
+    for p, run in zip(prompts, runs, strict=True):
+        if p.category:
+            groups.setdefault(p.category, []).append(run)
+    return {cat: chain_acceptance(rs, k)["acceptance_length"] for cat, rs in groups.items()}
 
 
 def _gap(accuracy: list[float], measured: list[float | None], k: int) -> dict | None:
@@ -267,6 +279,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                        "prompts": len(prompts), "max_new_tokens": spec.max_new_tokens,
                        "method": "the target's greedy output, one teacher-forced pass per prompt replayed as "
                                  "K-chains",
+                       "per_category": _per_category(prompts, runs, spec.k),
                        "per_prompt": _per_prompt(prompts, outputs, runs, spec.k)},
         "exports": {name: f"{drafter_uri}/{name}" for name in EXPORT_DIRS if f"{name}/config.json" in manifest.files},
         # what the server must render prompts with for the drafter to see what it was trained on

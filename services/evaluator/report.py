@@ -208,6 +208,8 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
         ("per position: measured / expected from accuracy", (report.get("acceptance_gap") or {}).get("ratio")),
         ("τ on the second held-out set", _second_set_text(report.get("second_set"))),
+        ("τ per category", ", ".join(f"{cat} {_fmt(tau)}" for cat, tau in (scored.get("per_category") or {}).items())
+         or "the prompts have no categories"),
         ("prompts", f"{scored.get('prompts')} × ≤{scored.get('max_new_tokens')} tokens "
                     f"({(report.get('prompts') or {}).get('source', '')})"),
         ("drafts / accepted", f"{scored.get('drafts')} / {sum(scored.get('accepted_per_pos') or [])}"),

@@ -12,6 +12,7 @@ from eyas.store import open_artifact
 from services.generator.engine import Engine
 from services.generator.spec import Spec
 from services.generator.synthesize import synthesize_prompts
+from services.generator.task_mix import task_openers
 
 
 def _load_file(uri: str, settings: Settings) -> list[Prompt]:
@@ -51,7 +52,9 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
             got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, seed=spec.synth_seed,
                                                          held_out=held, chunk=spec.concurrency,
                                                          turns=spec.synth_turns,
-                                                         answer_sampling=spec.sampling)
+                                                         answer_sampling=spec.sampling,
+                                                         openers=task_openers() if spec.synth_openers is None
+                                                         else spec.synth_openers)
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]
         else:

@@ -2,6 +2,8 @@
 hard to push the endpoint."""
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
@@ -38,6 +40,10 @@ class Spec(StageSpec):
     synth_seed: int = Field(0, ge=0, le=2**32 - 1, description="seed for prompt synthesis (reproducible)")
     synth_turns: int = Field(1, ge=1, le=8, description="user turns per synthesized prompt: each follow-up is "
                              "sampled after the target's answer to the turn before (Magpie multi-turn)")
+    synth_openers: list[Annotated[str, Field(max_length=200)]] | None = Field(
+        None, max_length=1000, description="openers synthesized requests start with, in turn, the target writing "
+        "the rest ('' = free sampling); default: a task mix across Magpie's task categories "
+        "(services/generator/task_mix.py); []: free sampling only")
     mix: list[MixSource] = Field([], max_length=64,
                                  description="weighted sources instead of prompts/synthesize; needs limit")
     held_out: names("prompts", exact=BUNDLED_NAMES) | None = Field(

@@ -1,6 +1,10 @@
 """Prompt synthesis from the target itself (Magpie, 2024): give the model only the user-turn prefix of its own
 chat template and sample; an aligned chat model writes a realistic user request and closes the turn.
 
+Steering (default: services.generator.task_mix): each candidate's user turn starts with an opener from a task mix
+("Write a Python function that", "Solve", "You are a", …) and the target writes the rest, so the requests span
+the tasks users bring instead of the small talk a small target samples on its own.
+
 Kept: requests that ended at the end-of-turn token, pass the length and language filters, and are not near
 duplicates of each other (or of held-out evaluation prompts). Sampling settings are recorded with each prompt.
 
@@ -48,10 +52,12 @@ def acceptable(text: str, min_chars: int = 12, max_chars: int = 2000, min_ascii:
 async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
                              sampling: SamplingParams | None = None, chunk: int = 8,
                              max_candidates: int | None = None, system: str | None = None, turns: int = 1,
-                             answer_sampling: SamplingParams | None = None) -> tuple[list[Prompt], dict[str, int]]:
+                             answer_sampling: SamplingParams | None = None,
+                             openers: list[str] = ()) -> tuple[list[Prompt], dict[str, int]]:
     """Sample candidates, at most `chunk` at a time, until `n` distinct acceptable requests are kept (or
-    `max_candidates`, default 4n + 8, were drawn); then up to `turns - 1` follow-ups for each. Returns the prompts
-    and the counts of what was drawn, dropped and why."""
+    `max_candidates`, default 4n + 8, were drawn); then up to `turns - 1` follow-ups for each. Candidate i's
+    request starts with openers[i % len(openers)] (none: free sampling; services.generator.task_mix). Returns the
+    prompts and the counts of what was drawn, dropped and why."""
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
     max_candidates = max_candidates or 4 * n + 8
     prefix = pre_query_text(tokenizer, system)
@@ -69,10 +75,11 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
         size = min(chunk, max_candidates - counts["sampled"], needed)
         params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 1_000_003 * rnd})
         log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, len(kept), n)
-        outs = await engine.complete_many([prefix] * size, params)
+        starts = [openers[(counts["sampled"] + i) % len(openers)] if openers else "" for i in range(size)]
+        outs = await engine.complete_many([prefix + o for o in starts], params)
         counts["sampled"] += size
-        for i, c in enumerate(outs):
-            text = c.content.strip()
+        for i, (start, c) in enumerate(zip(starts, outs, strict=True)):
+            text = (start + c.content).strip()
             if c.finish_reason != "stop":
                 counts["no_end_of_turn"] += 1
                 continue
@@ -86,7 +93,7 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
                 continue
             seen.add(text)
             kept.append(Prompt(id=f"synth:{seed}:{rnd}:{i}", user_turns=[text], source="synth",
-                               meta={"finish_reason": c.finish_reason,
+                               meta={"finish_reason": c.finish_reason, "opener": start,
                                      "sampling": params.model_dump(exclude={"chat_template_kwargs"})}))
             if len(kept) == n:
                 break
