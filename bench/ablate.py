@@ -32,6 +32,7 @@ VARIANTS: dict[str, list[str]] = {
     "sampled-0.7": ["--set", "generate.sampling.temperature=0.7"],
     "sampled-1.0": ["--set", "generate.sampling.temperature=1.0"],
     "two-turns": ["--set", "generate.synth_turns=2", "--set", "generate.max_turns=2"],
+    "free-synthesis": ["--set", "generate.synth_openers=[]"],  # Magpie unsteered, the default before the task mix
     "answers-128": ["--max-tokens", "128"],
     "answers-96": ["--max-tokens", "96"],
     "answers-64": ["--max-tokens", "64"],

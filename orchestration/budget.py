@@ -19,9 +19,14 @@ from dataclasses import asdict, dataclass
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
 # from `eyas run` job records: bench/README.md ("eyas run --minutes").
-SYNTH_DRAWS = 1.2  # candidate requests drawn per kept prompt (the rest lack an end of turn or repeat)
-SYNTH_TOKENS = 48  # tokens sampled per candidate request
-ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap)
+SYNTH_DRAWS = 1.24  # candidate requests drawn per kept prompt (the rest lack an end of turn or repeat)
+# Generation's cost in tokens of the rate probe (16 tokens a request at the run's batch): a batch runs to its
+# longest row, and prompts' prefill and a growing KV cache make each step dearer than the probe's. Measured on
+# `make run` (192 prompts, task-mix synthesis; bench/README.md, "eyas run --minutes"): 238 candidates in 169 s and
+# 192 answers of ≤ 96 tokens in 188 s at a probe of 138 tok/s; free synthesis cost 76 and 113.
+SYNTH_TOKENS = 100  # per candidate request (sampled up to 128 tokens)
+ANSWER_STEP_COST = 1.4  # per `max_tokens` of an answer
+ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap): what extraction and training see
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
 ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md, "What moves τ")
 EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
@@ -35,10 +40,6 @@ STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (servic
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
 EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET), what prompts are sized with
 MAX_EPOCHS = 6.0  # the time whole batches leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
-# Generation takes this much longer than the rate probe (16 tokens a request) predicts: synthesis's candidate
-# batches run to their longest request, and a growing KV cache makes each step dearer. Measured: 1.26–1.30 on four
-# `eyas run`s at batch 48 (bench/README.md, "eyas run --minutes").
-GENERATE_SLOWDOWN = 1.3
 TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 
 
@@ -78,7 +79,7 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
     answer = ANSWER_FILL * max_tokens
     fixed = FIXED_S / 4
     return {
-        "generate": fixed + GENERATE_SLOWDOWN * prompts * (SYNTH_DRAWS * SYNTH_TOKENS + answer)
+        "generate": fixed + prompts * (SYNTH_DRAWS * SYNTH_TOKENS + ANSWER_STEP_COST * max_tokens)
         / rates.decode_tok_s,
         "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
         "train": fixed + epochs * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
