@@ -30,6 +30,8 @@ def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     assert report["acceptance_length"] == tau and report["prompts"]["source"] == "bundled:mt_bench"
     # τ is the replay's over both prompts; eyas run decodes one of them for real, counted as the replay counts
     assert report["acceptance"]["prompts"] == 2 and len(report["acceptance"]["per_prompt"]) == 2
+    # two of MT-bench's 80, spread over the file: the first and the 41st, not the first two writing prompts
+    assert set(report["acceptance"]["per_category"]) == {"writing", "coding"}
     assert report["in_process"]["prompts"] == 1 and report["in_process"]["replay_matches"] is True
     assert (paths["eagle"] / "config.json").is_file() and (paths["speculators"] / "config.json").is_file()
     assert str(tmp_path / "w") in str(paths["report_json"])  # --workdir holds everything
