@@ -121,7 +121,7 @@ def _text(raw: bytes, name: str, whole: bool = True) -> str:
         raise PromptFileError(f"prompts file {name!r} is not UTF-8 text (byte {e.start})") from None
 
 
-def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
+def load_prompts(path: Path) -> list[Prompt]:
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"prompts file {str(path)!r} does not exist")
@@ -137,7 +137,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
         if p.id in seen:
             p.id = f"{p.id}#{hashlib.sha1(json.dumps(p.user_turns).encode()).hexdigest()[:8]}"
         seen.add(p.id)
-    return prompts[:limit] if limit else prompts
+    return prompts
 
 
 HEAD_BYTES = 16 << 10  # what a submit-time check reads of a prompt file
@@ -183,6 +183,12 @@ def spread_sample(prompts: list[Prompt], n: int | None) -> list[Prompt]:
     if n is None or n >= len(distinct):
         return distinct
     return [distinct[i * len(distinct) // n] for i in range(n)]
+
+
+def load_eval_prompts(source: str, n: int | None) -> list[Prompt]:
+    """The prompts an evaluation scores from `source` (a file or bundled:NAME): the evaluator decodes them and its
+    held-out check compares them with the training data, so both take them from here."""
+    return spread_sample(load_prompts(resolve_prompt_file(source)), n)
 
 
 BUNDLED_PROMPTS = ("sharegpt", "mt_bench")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from eyas.datasets import trained_user_turns
 from eyas.manifest import read_manifest
 from eyas.neardup import NearDupIndex
-from eyas.prompts import load_prompts, resolve_prompt_file, spread_sample
+from eyas.prompts import load_eval_prompts
 from eyas.settings import Settings
 from eyas.store import open_artifact
 
@@ -28,7 +28,7 @@ def check_held_out(eval_source: str, limit: int | None, features_uri: str | None
     if not features_uri:
         return 0
     trained = NearDupIndex(features_user_turns(features_uri, settings))
-    prompts = spread_sample(load_prompts(resolve_prompt_file(eval_source)), limit)
+    prompts = load_eval_prompts(eval_source, limit)
     hits = [(p.id, hit) for p in prompts if (hit := trained.find(p.user_turns[0])) is not None]
     if hits:
         pid, text = hits[0]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from eyas.capture import gather, hooks
 from eyas.drafter import Drafter, TTTCache
-from eyas.prompts import load_prompts, resolve_prompt_file, spread_sample
+from eyas.prompts import load_eval_prompts
 from eyas.render import render_prompt
 from eyas.target import Target
 
@@ -41,7 +41,7 @@ def eval_prompts(tokenizer, source: str = "bundled:mt_bench", limit: int | None 
     """Each prompt's first user turn (after its system prompt, if any), rendered with the chat template (and the
     kwargs the drafter's data was rendered with, e.g. enable_thinking) and the assistant generation prompt. The
     default, MT-bench, is held out from training by the generator."""
-    prompts = spread_sample(load_prompts(resolve_prompt_file(source)), limit)
+    prompts = load_eval_prompts(source, limit)
     return [PromptIds(p.id, render_prompt(tokenizer, ([{"role": "system", "content": p.system}] if p.system else [])
                                           + [{"role": "user", "content": p.user_turns[0]}], template_kwargs),
                       p.meta.get("category"))
