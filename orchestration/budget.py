@@ -1,19 +1,19 @@
 """`eyas run --minutes N`: size the embedded run to a wall-time budget on this machine.
 
 In its first seconds the run measures what each stage's time is made of, with the target it will train for:
-  decode    new tokens/s of in-process generation at the run's batch (prompt synthesis and the answers)
+  decode    new tokens/s of in-process generation at the run's batch and at half of it (prompt synthesis and
+            the answers run in balanced batches of between the two)
   forward   target forward tokens/s over whole conversations (extraction)
   train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths)
   step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
             decoding of DECODE_PROMPTS prompts goes token by token)
-and then sizes the prompts (whole in-process batches), the evaluation prompts and, for budgets too small for one
-batch, the answer length, so that the whole run fits; the time whole batches leave buys training epochs. What one
+and then sizes the prompts, the evaluation prompts and, for budgets too small for one batch, the answer length, so
+that the whole run fits at the trainer's epochs; what is left buys more epochs. What one
 prompt costs in tokens (the constants below) was measured on the bundled target; bench/README.md ("eyas run
 --minutes") has the plans against the times they took.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -45,7 +45,8 @@ TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 
 @dataclass(frozen=True)
 class Rates:
-    decode_tok_s: float
+    decode_tok_s: float  # at the run's batch
+    decode_half_tok_s: float  # at half of it
     forward_tok_s: float
     train_tok_s: float
     step_s: float
@@ -73,14 +74,30 @@ def eval_prompts_for(minutes: float) -> int:
     return max(4, min(80, round(20 + (minutes - 10))))
 
 
-def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int,
+def batches(prompts: int, batch: int) -> list[int]:
+    """Rows of each in-process batch: the fewest batches of at most `batch`, balanced (a part batch would cost
+    nearly a whole one's steps)."""
+    k = -(-prompts // batch)
+    return [prompts // k + (i < prompts % k) for i in range(k)] if prompts else []
+
+
+def decode_step_s(rates: Rates, rows: int, batch: int) -> float:
+    """Seconds of one decoding step of `rows` sequences: linear between the two measured batches (a step has a
+    fixed cost, streaming the weights, and one per row)."""
+    half = max(1, batch // 2)
+    full_s, half_s = batch / rates.decode_tok_s, half / rates.decode_half_tok_s
+    per_row = (full_s - half_s) / max(1, batch - half)
+    return max(half_s + per_row * (rows - half), full_s * rows / batch)
+
+
+def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int, batch: int,
                   epochs: float = EPOCHS) -> dict[str, float]:
     """Predicted seconds per stage; model loads and writes are spread over the stages by FIXED_S / 4."""
     answer = ANSWER_FILL * max_tokens
     fixed = FIXED_S / 4
+    steps = SYNTH_DRAWS * SYNTH_TOKENS + ANSWER_STEP_COST * max_tokens  # per prompt, in the probe's steps
     return {
-        "generate": fixed + prompts * (SYNTH_DRAWS * SYNTH_TOKENS + ANSWER_STEP_COST * max_tokens)
-        / rates.decode_tok_s,
+        "generate": fixed + steps * sum(decode_step_s(rates, rows, batch) for rows in batches(prompts, batch)),
         "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
         "train": fixed + epochs * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
         "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
@@ -91,31 +108,25 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
 
 def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_TOKENS,
              spent_s: float = 0.0) -> Plan:
-    """The most prompts (whole batches: a part batch costs nearly a whole one's wall time) whose stages fit the
-    budget less `spent_s` (measuring) at EPOCHS; below one batch, fewer prompts, then shorter answers, down to a
-    floor that still trains something. What is left then buys epochs, up to MAX_EPOCHS."""
+    """The most prompts (a multiple of 8) whose stages fit the budget less `spent_s` (measuring) at EPOCHS; when
+    not one batch fits, shorter answers first, down to a floor that still trains something. What is left then buys
+    epochs, up to MAX_EPOCHS."""
     budget = minutes * 60 - spent_s
     n_eval = eval_prompts_for(minutes)
 
-    def total(prompts: int, tokens: int) -> float:
-        return sum(stage_seconds(rates, prompts, tokens, n_eval).values())
+    def fits(prompts: int, tokens: int, epochs: float = EPOCHS) -> bool:
+        return sum(stage_seconds(rates, prompts, tokens, n_eval, batch, epochs).values()) <= budget
 
-    per_batch = total(batch, max_tokens) - total(0, max_tokens)
-    prompts = batch * max(0, math.floor((budget - total(0, max_tokens)) / per_batch))
-    if prompts == 0:  # under one batch: as many prompts as fit, answers shortened down to 64 tokens
-        tokens = max_tokens
-        while tokens > 64 and total(batch, tokens) > budget:
-            tokens -= 16
-        per_prompt = (total(batch, tokens) - total(0, tokens)) / batch
-        fit = math.floor((budget - total(0, tokens)) / per_prompt)
-        prompts, max_tokens = (batch * (fit // batch) if fit >= batch else max(8, fit)), tokens
-    per_epoch = stage_seconds(rates, prompts, max_tokens, n_eval, 1.0)["train"] - FIXED_S / 4
-    left = budget - total(prompts, max_tokens)
+    while max_tokens > 64 and not fits(batch, max_tokens):
+        max_tokens -= 16
+    prompts = 8
+    while fits(prompts + 8, max_tokens):
+        prompts += 8
     epochs = EPOCHS
-    if per_epoch > 0:  # in tenths of an epoch
-        epochs = min(MAX_EPOCHS, EPOCHS + math.floor(10 * max(0.0, left) / per_epoch) / 10)
+    while epochs + 0.1 <= MAX_EPOCHS + 1e-9 and fits(prompts, max_tokens, round(epochs + 0.1, 1)):
+        epochs = round(epochs + 0.1, 1)  # in tenths of an epoch
     return Plan(minutes, prompts, max_tokens, n_eval, epochs,
-                stage_seconds(rates, prompts, max_tokens, n_eval, epochs))
+                stage_seconds(rates, prompts, max_tokens, n_eval, batch, epochs))
 
 
 def measure_rates(target_name: str, batch: int) -> Rates:
@@ -130,12 +141,14 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     engine = InProcessEngine(target_name, max_batch=batch)
     model = engine.target.model
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    texts = [engine.render([{"role": "user", "content": f"Tell me a fact about the number {i}."}], params)
-             for i in range(batch)]
+    # a few words, no chat template: the probe times decoding steps, not the prompts' prefill
+    texts = [f"A fact about the number {i}:" for i in range(batch)]
     engine.generate_texts(texts[:2], params.model_copy(update={"max_tokens": 2}))  # warm-up
-    t0 = time.perf_counter()
-    done = engine.generate_texts(texts, params)
-    decode = sum(c.completion_tokens for c in done) / (time.perf_counter() - t0)
+    decode = []
+    for rows in (batch, max(1, batch // 2)):
+        t0 = time.perf_counter()
+        done = engine.generate_texts(texts[:rows], params)
+        decode.append(sum(c.completion_tokens for c in done) / (time.perf_counter() - t0))
 
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (4, 256))
@@ -169,10 +182,11 @@ def measure_rates(target_name: str, batch: int) -> Rates:
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     train = n / min(times[1:])
-    return Rates(decode_tok_s=decode, forward_tok_s=forward, train_tok_s=train, step_s=step)
+    return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward, train_tok_s=train,
+                 step_s=step)
 
 
 def rates_line(rates: Rates) -> str:
     r = asdict(rates)
-    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s, forward {r['forward_tok_s']:.0f} tok/s, "
+    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), forward {r['forward_tok_s']:.0f} tok/s, "
             f"train {r['train_tok_s']:.0f} tok/s, target step {1000 * r['step_s']:.0f} ms")

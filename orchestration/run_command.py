@@ -27,8 +27,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: the budget's plan)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max new tokens per answer (default: 96, shorter only when the budget is under one batch)")
-    p.add_argument("--batch", type=int, default=48,
-                   help="requests generated at once (in-process: one batch) (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=96,
+                   help="most requests generated at once (in-process: one batch; the prompts run in balanced "
+                   "batches) (default: %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=None,
                    help="MT-bench prompts to evaluate on (default: the budget's plan, 20 at 10 minutes)")
@@ -59,7 +60,7 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.embedded import EmbeddedRunner, command_line_settings
 
-    from orchestration.budget import ANSWER_TOKENS, DECODE_PROMPTS, measure_rates, plan_run, rates_line
+    from orchestration.budget import ANSWER_TOKENS, DECODE_PROMPTS, batches, measure_rates, plan_run, rates_line
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
@@ -83,7 +84,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     extract: dict = {"stage": "extract", "target": args.target}
     spec = {
         **({"prompts": args.prompts, "limit": num_prompts} if args.prompts else {"synthesize": num_prompts}),
-        "endpoint": args.endpoint, "target": args.target, "max_turns": 1, "concurrency": args.batch,
+        "endpoint": args.endpoint, "target": args.target, "max_turns": 1,
+        "concurrency": args.batch if args.endpoint else max(batches(num_prompts, args.batch)),
         "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
     }
     apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)

@@ -1,48 +1,61 @@
-"""`eyas run --minutes N`: the plan fits the budget with the rates it is given, grows with the budget in whole
-in-process batches, and below one batch shortens the run rather than overrunning it."""
+"""`eyas run --minutes N`: the plan fits the budget with the rates it is given, grows with the budget, runs its
+prompts in balanced in-process batches, and below one batch shortens the run rather than overrunning it."""
 from __future__ import annotations
 
 import pytest
 
-from orchestration.budget import EPOCHS, MAX_EPOCHS, Rates, plan_run, stage_seconds
+from orchestration.budget import EPOCHS, MAX_EPOCHS, Rates, batches, plan_run, stage_seconds
 from orchestration.run_command import apply_overrides
 
 # about what a quiet 2-core machine measures with the bundled target
-QUIET = Rates(decode_tok_s=120.0, forward_tok_s=2500.0, train_tok_s=700.0, step_s=0.02)
+QUIET = Rates(decode_tok_s=270.0, decode_half_tok_s=190.0, forward_tok_s=2500.0, train_tok_s=700.0, step_s=0.02)
+BATCH = 96
 
 
 @pytest.mark.parametrize("minutes", [3, 10, 30, 60])
 def test_the_plan_fits_the_budget(minutes):
-    plan = plan_run(minutes, QUIET, batch=48)
+    plan = plan_run(minutes, QUIET, batch=BATCH)
     assert sum(plan.seconds.values()) <= minutes * 60
     assert plan.num_prompts >= 8 and plan.eval_prompts >= 4
 
 
-def test_more_minutes_buy_more_prompts_in_whole_batches_and_more_evaluation():
-    plans = [plan_run(m, QUIET, batch=48) for m in (10, 30, 60)]
+def test_more_minutes_buy_more_prompts_and_more_evaluation():
+    plans = [plan_run(m, QUIET, batch=BATCH) for m in (10, 30, 60)]
     assert [p.num_prompts for p in plans] == sorted({p.num_prompts for p in plans})  # strictly more
-    assert all(p.num_prompts % 48 == 0 and p.max_tokens == 96 for p in plans)
+    assert all(p.num_prompts % 8 == 0 and p.max_tokens == 96 for p in plans)
     assert plans[0].eval_prompts == 20 and plans[0].eval_prompts < plans[1].eval_prompts < plans[2].eval_prompts
-    for minutes, plan in zip((10, 30, 60), plans, strict=True):  # one more batch would not have fitted
-        more = stage_seconds(QUIET, plan.num_prompts + 48, plan.max_tokens, plan.eval_prompts)
+    for minutes, plan in zip((10, 30, 60), plans, strict=True):  # 8 more prompts would not have fitted
+        more = stage_seconds(QUIET, plan.num_prompts + 8, plan.max_tokens, plan.eval_prompts, BATCH)
         assert sum(more.values()) > minutes * 60
 
 
-def test_the_time_whole_batches_leave_buys_epochs_up_to_the_cap():
+def test_prompts_run_in_the_fewest_balanced_batches_and_a_part_batch_costs_its_steps():
+    assert batches(96, 96) == [96] and batches(200, 96) == [67, 67, 66] and batches(40, 96) == [40]
+    assert all(sum(batches(n, 96)) == n and max(batches(n, 96)) <= 96 for n in range(1, 500))
+    generate = [stage_seconds(QUIET, n, 96, 20, BATCH)["generate"] for n in (48, 96, 97, 192)]
+    assert generate == sorted(generate)
+    # one row past a batch adds a second batch's steps: much more than a row's share, less than a whole batch
+    assert 2 * (generate[1] - generate[0]) > generate[2] - generate[1] > (generate[1] - generate[0]) / 48
+
+
+def test_the_time_left_buys_epochs_up_to_the_cap():
     for minutes in (10, 30, 60):
-        plan = plan_run(minutes, QUIET, batch=48)
+        plan = plan_run(minutes, QUIET, batch=BATCH)
         assert EPOCHS <= plan.epochs <= MAX_EPOCHS and sum(plan.seconds.values()) <= minutes * 60
         if plan.epochs < MAX_EPOCHS:  # a tenth of an epoch more would not have fitted
-            more = stage_seconds(QUIET, plan.num_prompts, plan.max_tokens, plan.eval_prompts, plan.epochs + 0.1)
+            more = stage_seconds(QUIET, plan.num_prompts, plan.max_tokens, plan.eval_prompts, BATCH, plan.epochs + 0.1)
             assert sum(more.values()) > minutes * 60
-    tight = plan_run(10, QUIET, batch=48, max_tokens=4000)  # under one batch: prompts fill the budget to within one
-    assert EPOCHS <= tight.epochs < EPOCHS + 1
-    more = stage_seconds(QUIET, tight.num_prompts, tight.max_tokens, tight.eval_prompts, tight.epochs + 0.1)
-    assert sum(more.values()) > 10 * 60
+
+
+def test_answers_too_long_for_one_batch_are_shortened():
+    plan = plan_run(10, QUIET, batch=BATCH, max_tokens=4000)
+    assert 64 <= plan.max_tokens < 4000 and sum(plan.seconds.values()) <= 10 * 60
+    longer = stage_seconds(QUIET, BATCH, plan.max_tokens + 16, plan.eval_prompts, BATCH)
+    assert plan.max_tokens == 64 or sum(longer.values()) > 10 * 60  # 16 tokens more and one batch would not fit
 
 
 def test_a_slow_machine_gets_fewer_prompts_and_shorter_answers_not_an_overrun():
-    slow = Rates(decode_tok_s=12.0, forward_tok_s=400.0, train_tok_s=100.0, step_s=0.05)
+    slow = Rates(decode_tok_s=12.0, decode_half_tok_s=8.0, forward_tok_s=400.0, train_tok_s=100.0, step_s=0.05)
     plan = plan_run(5, slow, batch=48)
     assert plan.num_prompts < 48 and plan.max_tokens < 192
     assert sum(plan.seconds.values()) <= 5 * 60 or plan.num_prompts == 8  # the floor: something still trains

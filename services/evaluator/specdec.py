@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.capture import gather, hooks
+from eyas.decoding import grouped_sdpa, growing_cache
 from eyas.drafter import Drafter, TTTCache
 from eyas.prompts import load_eval_prompts
 from eyas.render import render_prompt
@@ -146,10 +147,11 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
 
 @torch.inference_mode()
 def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
-           batch: int = 16) -> list[list[int]]:
+           batch: int = 32) -> list[list[int]]:
     """The target's plain greedy decoding (transformers `generate`), the reference the output must equal.
-    Prompts go in left-padded batches: on a CPU each forward streams every weight, so a batch of 16 costs about
-    what one prompt does."""
+    Prompts go in left-padded batches: on a CPU each forward streams every weight, so one batch of 32 takes about
+    three quarters of the time of two of 16 (2 cores); the cache grows in place and grouped heads are read in place
+    (eyas.decoding)."""
     pad = sorted(stop)[0]
     outs: list[list[int]] = []
     for i in range(0, len(prompts), batch):
@@ -157,9 +159,11 @@ def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: 
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=target.input_device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=target.input_device)
-        out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                    do_sample=False, temperature=None, top_p=None, top_k=None,
-                                    eos_token_id=sorted(stop), pad_token_id=pad)
+        with grouped_sdpa(target.model):
+            out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                        do_sample=False, temperature=None, top_p=None, top_k=None,
+                                        eos_token_id=sorted(stop), pad_token_id=pad,
+                                        past_key_values=growing_cache(target.model.config, width + max_new_tokens))
         for row in out[:, width:].tolist():
             tokens: list[int] = []
             _extend(tokens, row, stop, max_new_tokens)
