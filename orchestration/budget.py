@@ -20,20 +20,22 @@ from dataclasses import asdict, dataclass
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
 # from `eyas run` job records: bench/README.md ("eyas run --minutes").
 SYNTH_DRAWS = 1.24  # candidate requests drawn per kept prompt (the rest lack an end of turn or repeat)
-# Generation's cost in tokens of the rate probe (16 tokens a request at the run's batch): a batch runs to its
-# longest row, and prompts' prefill and a growing KV cache make each step dearer than the probe's. Measured on
-# `make run` (192 prompts, task-mix synthesis; bench/README.md, "eyas run --minutes"): 238 candidates in 169 s and
-# 192 answers of ≤ 96 tokens in 188 s at a probe of 138 tok/s; free synthesis cost 76 and 113.
+# Generation's cost in steps of the rate probe (16 tokens for short requests, at the batch and at half of it;
+# `decode_step_s`): a batch runs to its longest row, and prompts' prefill and a growing KV cache make each step
+# dearer than the probe's. Measured on `make run` (224 prompts in 3 batches of 75, task-mix synthesis; bench/README.md,
+# "eyas run --minutes"): 273 candidates in 138 s and 224 answers of ≤ 96 tokens in 125 s, at a probe of 218 tok/s
+# (179 at half the batch).
 SYNTH_TOKENS = 100  # per candidate request (sampled up to 128 tokens)
-ANSWER_STEP_COST = 1.4  # per `max_tokens` of an answer
+ANSWER_STEP_COST = 1.2  # per `max_tokens` of an answer
 ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap): what extraction and training see
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
 ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md, "What moves τ")
 EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
 SECOND_SET_PROMPTS = 5  # the evaluator's second held-out set (services/evaluator/core.py: second_num_prompts)
-# The evaluator's greedy outputs run in batches of 16 (services/evaluator/specdec.py: greedy), dearer per token than
-# generation's batch of 48, and each prompt then has one teacher-forced forward (the replay).
-EVAL_GREEDY_COST = 1.8  # seconds per evaluation token, in units of 1 / decode_tok_s
+# The evaluator's greedy outputs run in batches of 32 with transformers' `generate` (services/evaluator/specdec.py:
+# greedy), dearer per token than generation's own decoding, and each prompt then has one teacher-forced forward
+# (the replay). Measured on the `make run` above: evaluation took 106 s.
+EVAL_GREEDY_COST = 3.5  # seconds per evaluation token, in units of 1 / decode_tok_s
 DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-process (the replay's check)
 DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
 STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (services/evaluator/steptime.py)

@@ -315,10 +315,15 @@ class InProcessEngine:
         # unless the distribution is very flat; sorting the whole vocabulary instead cost as much as the model's
         # step (batch 72, V = 49152, 2 cores)
         p, order = probs.topk(min(NUCLEUS_TOP, probs.shape[-1]), dim=-1)
-        if bool((p.sum(-1) < params.top_p).any()):
-            p, order = probs.sort(dim=-1, descending=True)
-        p[(p.cumsum(-1) - p) >= params.top_p] = 0.0
-        return order.gather(-1, torch.multinomial(p, 1, generator=rng)).squeeze(1)
+        flat = p.sum(-1) < params.top_p  # rows whose nucleus reaches past the top: only those sort everything
+        out = torch.empty(len(probs), dtype=torch.int64)
+        for rows in (~flat, flat):
+            if not bool(rows.any()):
+                continue
+            q, idx = (p[rows], order[rows]) if rows is not flat else probs[rows].sort(dim=-1, descending=True)
+            q[(q.cumsum(-1) - q) >= params.top_p] = 0.0
+            out[rows] = idx.gather(-1, torch.multinomial(q, 1, generator=rng)).squeeze(1)
+        return out
 
     async def aclose(self) -> None:
         if self._runner is not None:
