@@ -70,8 +70,9 @@ def main() -> None:
             theirs_s = time.perf_counter() - t0
             ours_rate = sum(c.completion_tokens for c in ours) / ours_s
             theirs_rate = sum(len(r) for r in theirs) / theirs_s
-            same = (f"{sum(c.content == engine.tok.decode(r, skip_special_tokens=True) for c, r in zip(ours, theirs))}"
-                    f"/{batch}" if mode == "greedy" else "(sampled)")
+            equal = sum(c.content == engine.tok.decode(r, skip_special_tokens=True)
+                        for c, r in zip(ours, theirs, strict=True))
+            same = f"{equal}/{batch}" if mode == "greedy" else "(sampled)"
             print(f"{batch:>5} {mode:<8} {ours_rate:>10.0f} {theirs_rate:>14.0f} {ours_rate / theirs_rate:>6.2f}  {same}",
                   flush=True)
 
