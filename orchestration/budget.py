@@ -4,7 +4,8 @@ In its first seconds the run measures what each stage's time is made of, with th
   decode    new tokens/s of in-process generation at the run's batch and at half of it (prompt synthesis and
             the answers run in balanced batches of between the two)
   forward   target forward tokens/s over whole conversations (extraction)
-  train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths)
+  train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths,
+            in a batch shaped like the run's)
   step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
             decoding of DECODE_PROMPTS prompts goes token by token)
 and then sizes the prompts, the evaluation prompts and, for budgets too small for one batch, the answer length, so
@@ -170,10 +171,15 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     drafter.set_vocab(torch.arange(4096))
     head = model.get_output_embeddings().weight.detach()
     h = cfg.hidden_size
-    n = 512
-    mask = torch.ones(1, n, dtype=torch.int64)
-    fake = Batch(input_ids=ids[:2].reshape(1, -1)[:, :n], loss_mask=mask, lengths=torch.tensor([n]),
-                 aux_hidden=torch.randn(1, n, 3 * h), final_hidden=torch.randn(1, n, h))
+    # a batch shaped like the run's: rows of a prompt and its answer up to the preset's 512 tokens, loss on the
+    # answers only (the lm_head runs on those)
+    prompt, n = PROMPT_TOKENS, PROMPT_TOKENS + round(ANSWER_FILL * ANSWER_TOKENS)
+    rows = 512 // n
+    mask = torch.zeros(rows, n, dtype=torch.int64)
+    mask[:, prompt:] = 1
+    fake = Batch(input_ids=ids.reshape(-1)[:rows * n].view(rows, n), loss_mask=mask,
+                 lengths=torch.full((rows,), n), aux_hidden=torch.randn(rows, n, 3 * h),
+                 final_hidden=torch.randn(rows, n, h))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     times = []
     for _ in range(3):  # the first one warms up
@@ -183,7 +189,7 @@ def measure_rates(target_name: str, batch: int) -> Rates:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    train = n / min(times[1:])
+    train = rows * n / min(times[1:])
     return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward, train_tok_s=train,
                  step_s=step)
 
