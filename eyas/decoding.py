@@ -4,12 +4,14 @@ CPU cores: of ~225 ms a step, ~60 ms grew the cache by concatenation and ~65 ms 
 for attention; bench/decode.py):
 
 - `GrowingKVLayer`: the cache of a full-attention layer in a preallocated buffer that each step writes one slot of
-  (a view of the filled part is what attention reads), instead of concatenating a new cache every step.
+  (a view of the filled part is what attention reads), instead of concatenating a new cache every step; a prefill
+  run in parts writes its rows into it (`write_rows`).
 - `grouped_sdpa`: attention through torch's SDPA with `enable_gqa`, which reads the grouped key/value heads in
   place; transformers repeats them into a copy whenever there is an attention mask (always, with left padding).
 
-Both compute what the model computes without them (the same kernels on the same numbers), so a greedy answer is the
-same answer.
+Both compute what the model computes without them, to float rounding (tests/test_decoding.py compares the logits
+step by step; bench/decode.py the greedy answers, all the same). Used by the generator's in-process engine and the
+evaluator's greedy reference.
 """
 from __future__ import annotations
 

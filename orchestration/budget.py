@@ -42,7 +42,7 @@ DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a
 STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (services/evaluator/steptime.py)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
 EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET), what prompts are sized with
-MAX_EPOCHS = 6.0  # the time whole batches leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
+MAX_EPOCHS = 6.0  # the time the prompts leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
 TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 
 
