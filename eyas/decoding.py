@@ -38,7 +38,11 @@ class GrowingKVLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
-        self.filled = 0
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+
+    @property
+    def filled(self) -> int:
+        return self.keys.shape[-2]
 
     def _grow(self, need: int) -> None:
         cap = max(self.capacity, need, 2 * self.filled)
@@ -51,13 +55,11 @@ class GrowingKVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         end = self.filled + key_states.shape[-2]
         if self._k is None or end > self._k.shape[-2]:
             self._grow(end)
         self._k[:, :, self.filled:end] = key_states
         self._v[:, :, self.filled:end] = value_states
-        self.filled = end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
@@ -71,14 +73,14 @@ class GrowingKVLayer(DynamicLayer):
             self._v = values.new_zeros(batch, values.shape[1], self.capacity, values.shape[-1])
         self._k[rows, :, end - keys.shape[-2]:end] = keys
         self._v[rows, :, end - values.shape[-2]:end] = values
-        self.filled = end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows `indices` (rows that ended leave): copies the filled part once."""
         if self.is_initialized and self._k is not None:
+            filled = self.filled
             self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[:, :, :self.filled], self._v[:, :, :self.filled]
+            self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]
 
 
 def growing_cache(config, capacity: int) -> DynamicCache:

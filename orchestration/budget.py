@@ -125,9 +125,10 @@ def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_
     prompts = 8
     while fits(prompts + 8, max_tokens):
         prompts += 8
-    epochs = EPOCHS
-    while epochs + 0.1 <= MAX_EPOCHS + 1e-9 and fits(prompts, max_tokens, round(epochs + 0.1, 1)):
-        epochs = round(epochs + 0.1, 1)  # in tenths of an epoch
+    tenths = round(10 * EPOCHS)
+    while tenths < round(10 * MAX_EPOCHS) and fits(prompts, max_tokens, (tenths + 1) / 10):
+        tenths += 1
+    epochs = tenths / 10
     return Plan(minutes, prompts, max_tokens, n_eval, epochs,
                 stage_seconds(rates, prompts, max_tokens, n_eval, batch, epochs))
 

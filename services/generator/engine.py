@@ -317,13 +317,16 @@ class InProcessEngine:
         p, order = probs.topk(min(NUCLEUS_TOP, probs.shape[-1]), dim=-1)
         flat = p.sum(-1) < params.top_p  # rows whose nucleus reaches past the top: only those sort everything
         out = torch.empty(len(probs), dtype=torch.int64)
-        for rows in (~flat, flat):
-            if not bool(rows.any()):
-                continue
-            q, idx = (p[rows], order[rows]) if rows is not flat else probs[rows].sort(dim=-1, descending=True)
-            q[(q.cumsum(-1) - q) >= params.top_p] = 0.0
-            out[rows] = idx.gather(-1, torch.multinomial(q, 1, generator=rng)).squeeze(1)
+        if bool((~flat).any()):
+            out[~flat] = self._nucleus(p[~flat], order[~flat], params.top_p, rng)
+        if bool(flat.any()):
+            out[flat] = self._nucleus(*probs[flat].sort(dim=-1, descending=True), params.top_p, rng)
         return out
+
+    def _nucleus(self, p, order, top_p: float, rng):
+        """Sample from probabilities `p` sorted descending ([rows, n], token ids `order`) within their top_p."""
+        p[(p.cumsum(-1) - p) >= top_p] = 0.0
+        return order.gather(-1, self.torch.multinomial(p, 1, generator=rng)).squeeze(1)
 
     async def aclose(self) -> None:
         if self._runner is not None:
