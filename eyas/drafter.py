@@ -22,6 +22,9 @@ from torch import nn
 
 
 
+NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's optional norms, as config.json names them
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -39,11 +42,26 @@ class DrafterConfig:
     # The target's RoPE scaling (its rope_type and parameters, e.g. Llama-3's "llama3"); None for plain RoPE. The
     # export writes it as rope_scaling, which the engines apply to the drafter, so training applies it too.
     rope_scaling: dict[str, Any] | None = None
+    # EAGLE 3.1's extra norms (docs/eagle3.md §1.2; vLLM and speculators read them, this SGLang does not), all off in
+    # the EAGLE-3 baseline: one RMSNorm over cat(aux) before fc, or one per aux chunk; and the post-norm state, not
+    # the pre-norm one, fed to the next step.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are alternatives (one norm over cat(aux), or one per chunk)")
+
+    @property
+    def norms(self) -> dict[str, bool]:
+        """The EAGLE 3.1 flags that are on, as the config.json keys the engines read."""
+        return {k: True for k in NORM_FLAGS if getattr(self, k)}
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int) -> DrafterConfig:
+    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int, **norms: bool) -> DrafterConfig:
         """The drafter for a target (a transformers config): its widths, heads and RoPE; `num_aux` is the number
-        of aux layers the features concatenate (the layout's)."""
+        of aux layers the features concatenate (the layout's); `norms`, EAGLE 3.1's flags."""
         c = target_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
@@ -55,7 +73,7 @@ class DrafterConfig:
             head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
             draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_hidden_size=c.hidden_size,
             num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
-            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None, **norms,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,7 +215,12 @@ class Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.requires_grad_(False)
-        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        width = cfg.num_aux * cfg.target_hidden_size
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(width, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+        self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -205,14 +228,20 @@ class Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
     def project(self, aux):  # [B, T, n_aux·H_t] → [B, T, H]
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.cfg.fc_norm:
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, -1), strict=True)], -1)
         return self.fc(aux)
 
     def step(self, input_ids, hidden, position_ids, cache: TTTCache):
-        """One draft step: returns the pre-norm hidden state [B, T, H] (fed back to the next step)."""
-        return self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, cache)
+        """One draft step: returns the hidden state [B, T, H] fed back to the next step (pre-norm; post-norm under
+        norm_output)."""
+        h = self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, cache)
+        return self.norm(h) if self.cfg.norm_output else h
 
-    def logits(self, hidden):  # [B, T, H] → [B, T, Vd]
-        return self.lm_head(self.norm(hidden))
+    def logits(self, hidden):  # [B, T, H], a step's output → [B, T, Vd]
+        return self.lm_head(hidden if self.cfg.norm_output else self.norm(hidden))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

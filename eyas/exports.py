@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eyas.drafter import Drafter, DrafterConfig
+from eyas.drafter import NORM_FLAGS, Drafter, DrafterConfig
 from eyas.layout import Layout, LayoutMismatch, check_serving
 
 EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"
@@ -40,7 +40,7 @@ HISTORY = "history.json"
 _SPECULATORS_PREFIXES = {"midlayer.": "layers.0."}
 # Fields of the EAGLE config that are not part of a plain Llama layer config.
 _EAGLE_ONLY = ("architectures", "draft_vocab_size", "norm_before_residual", "target_hidden_size", "eyas_layout",
-               "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype")
+               "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype", *NORM_FLAGS)
 
 
 def speculators_name(name: str) -> str:
@@ -83,6 +83,7 @@ def eagle_config(cfg: DrafterConfig, layout: Layout, dtype: str) -> dict[str, An
         "draft_vocab_size": cfg.draft_vocab_size,
         "torch_dtype": dtype,
         "eyas_layout": layout.to_dict(),
+        **cfg.norms,  # EAGLE 3.1's flags, only those that are on (vLLM reads them at the top level)
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
@@ -103,7 +104,7 @@ def drafter_config_from_eagle(cfg: dict[str, Any], num_aux: int) -> DrafterConfi
         draft_vocab_size=cfg["draft_vocab_size"],
         target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), num_aux=num_aux,
         rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=cfg["max_position_embeddings"],
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=cfg.get("rope_scaling"), **{k: bool(cfg.get(k, False)) for k in NORM_FLAGS},
     )
 
 
@@ -140,6 +141,7 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
         },
         "torch_dtype": eagle_cfg["torch_dtype"],
         "eyas_layout": layout.to_dict(),
+        **{k: True for k in NORM_FLAGS if eagle_cfg.get(k)},
     }
     # vLLM reads these as input-to-layer ids (docs/eagle3.md §3.4); written even for the default layers, since the
     # speculators library otherwise resolves them from the verifier, which names no path here
@@ -153,8 +155,11 @@ def unsupported_engines(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dic
     check_serving(layout, eagle_cfg, "vllm")
     check_serving(layout, spec_cfg, "vllm")  # vLLM copies the top-level ids of a speculators config
     unsupported: dict[str, str] = {}
+    norms = [k for k in NORM_FLAGS if eagle_cfg.get(k)]
     try:
         check_serving(layout, eagle_cfg, "sglang")
+        if norms:
+            raise LayoutMismatch(f"its llama_eagle3 reads none of EAGLE 3.1's norms ({', '.join(norms)})")
     except LayoutMismatch as e:
         unsupported["sglang"] = str(e)
     return unsupported
@@ -204,7 +209,7 @@ def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = to
 
     cfg_json = json.loads((Path(path) / CONFIG).read_text())
     flat = cfg_json.get("transformer_layer_config") or cfg_json  # speculators nests the layer config
-    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size") if k in cfg_json}}
+    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS) if k in cfg_json}}
     state = {drafter_name(k): v for k, v in load_file(str(Path(path) / WEIGHTS)).items()}
     target_hidden = flat.get("target_hidden_size", flat["hidden_size"])
     fc_in = state["fc.weight"].shape[1] if "fc.weight" in state else 0

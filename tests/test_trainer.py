@@ -25,6 +25,7 @@ from eyas.target import BUNDLED, load_target_head, load_tokenizer, tokenizer_has
 from services.trainer import core
 from eyas.batching import collate, eval_plan
 from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
+from services.trainer.spec import Spec
 from services.trainer.train import drafter_config
 from eyas.ttt import label_rows, target_top, ttt_forward
 from services.trainer.vocab import select_vocab, token_counts
@@ -335,6 +336,48 @@ def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
     with pytest.raises(LayoutMismatch, match="concatenates 3 aux layers, the layout 2"):
         export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("norms", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+def test_eagle31_norms_export_and_load_as_trained(norms, tmp_path):
+    """EAGLE 3.1's norms: the configs carry the flags vLLM and speculators read, SGLang is listed as unable to serve
+    them, and THE loader reads either export back into a drafter with the same draft steps."""
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(BUNDLED, 64, BUNDLED_LAYOUT, **norms))
+    drafter.set_vocab(torch.arange(64))
+    with torch.no_grad():  # norms that are not the identity, so that dropping one would show
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    weights = {**drafter.state_dict(), "embed_tokens.weight": torch.randn(49152, 576)}
+    drafter.embed_tokens.weight.data.copy_(weights["embed_tokens.weight"])
+    layout = Layout(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
+                    vocab_size=49152, aux_layers=(1, 14, 26))
+    _, unsupported = export_drafter(drafter.cfg, weights, layout, tmp_path, "float32", {"name_or_path": None}, 3)
+    assert set(unsupported) == {"sglang"} and "EAGLE 3.1" in unsupported["sglang"]
+    for sub in ("eagle", "speculators"):
+        cfg = json.loads((tmp_path / sub / "config.json").read_text())
+        assert {k: cfg.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False, **norms}
+        assert set(norms) <= {k for k in cfg if cfg[k] is True}  # top level, where the engines read them
+    aux, ids = torch.randn(1, 9, 3 * 576) * 20, torch.randint(0, 49152, (1, 9))
+    want = _draft_logits(drafter, aux, ids)
+    for sub in ("eagle", "speculators"):
+        loaded, _ = load_drafter(tmp_path / sub, weights["embed_tokens.weight"])
+        assert all(getattr(loaded.cfg, k) == v for k, v in norms.items())
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(_draft_logits(loaded, aux, ids), want, strict=True))
+    with pytest.raises(ValueError, match="alternatives"):
+        Spec(features="file:///x", norm_before_fc=True, fc_norm=True)
+
+
+def _draft_logits(drafter: Drafter, aux: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        hidden, cache, pos = drafter.project(aux), TTTCache(), torch.arange(ids.shape[1])[None]
+        out = []
+        for k in range(2):
+            hidden = drafter.step(ids, hidden, pos + k, cache)
+            out.append(drafter.logits(hidden))
+    return out
 
 
 def test_features_of_another_target_are_refused(emb, features, tmp_path):

@@ -83,7 +83,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
 
     writer = ArtifactWriter(ctx.output)
     with tempfile.TemporaryDirectory(prefix="eyas-drafter-") as tmp:
-        cfg = drafter_config(target, spec.draft_vocab_size, layout)
+        cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.norm_flags())
         written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier, spec.ttt_steps)
         for rel in written:
             writer.put_file(rel.as_posix(), Path(tmp) / rel)

@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from eyas.confine import names
 from eyas.device import DTypeName, placement
+from eyas.drafter import NORM_FLAGS
 from eyas.features import FeatureReader
 from eyas.layout import Layout, check_layout
 from eyas.settings import Settings
@@ -36,6 +37,10 @@ class Spec(StageSpec):
     steps: int | None = Field(None, ge=1, le=100_000_000,
                               description="optimizer steps; default: `epochs` over the train split")
     epochs: float = Field(1.0, gt=0, le=1000)
+    norm_before_fc: bool = Field(False, description="EAGLE 3.1: one RMSNorm over the concatenated aux states before fc "
+                                 "(vLLM and speculators load it; SGLang does not)")
+    fc_norm: bool = Field(False, description="EAGLE 3.1: one RMSNorm per aux layer before fc (not with norm_before_fc)")
+    norm_output: bool = Field(False, description="EAGLE 3.1: feed the post-norm state to the next draft step")
     lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate (AdamW)")
     warmup: int = Field(50, ge=0, le=100_000_000, description="linear warmup steps, then cosine decay to 0")
     batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step (all processes)")
@@ -53,6 +58,16 @@ class Spec(StageSpec):
     activation_checkpointing: bool = Field(
         False, description="recompute each TTT step's draft-vocabulary logits in the backward pass instead of keeping "
         "them (ttt_steps × supervised tokens × Vd × 8 bytes less: for a large draft vocabulary)")
+
+    @model_validator(mode="after")
+    def _one_fc_norm(self) -> Spec:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are alternatives: one norm over all aux layers, or one each")
+        return self
+
+    def norm_flags(self) -> dict[str, bool]:
+        """EAGLE 3.1's flags, as the drafter's config takes them."""
+        return {k: getattr(self, k) for k in NORM_FLAGS}
 
 
 def resolve(spec: Spec, settings: Settings) -> Spec:

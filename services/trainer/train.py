@@ -94,19 +94,19 @@ def training_fields(spec: Spec) -> dict[str, Any]:
     return {k: v for k, v in spec.model_dump(mode="json").items() if k not in RESUME_MAY_CHANGE}
 
 
-def drafter_config(target: str, draft_vocab_size: int, layout: Layout) -> DrafterConfig:
+def drafter_config(target: str, draft_vocab_size: int, layout: Layout, **norms: bool) -> DrafterConfig:
     """The drafter for `target`, concatenating as many aux layers as the features' layout names."""
     from transformers import AutoConfig
 
     return DrafterConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)), draft_vocab_size,
-                                     num_aux=len(layout.aux_layers))
+                                     num_aux=len(layout.aux_layers), **norms)
 
 
 def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: torch.Tensor,
-                  used: torch.Tensor) -> Drafter:
+                  used: torch.Tensor, **norms: bool) -> Drafter:
     """A fresh drafter: the target's frozen embedding, the draft vocabulary, PyTorch's default init elsewhere
-    (seeded by the caller), as EAGLE and SpecForge start."""
-    drafter = Drafter(drafter_config(target, draft_vocab_size, layout))
+    (seeded by the caller), as EAGLE and SpecForge start; `norms`, EAGLE 3.1's flags."""
+    drafter = Drafter(drafter_config(target, draft_vocab_size, layout, **norms))
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed)
         drafter.set_vocab(used)
@@ -122,7 +122,8 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     counts = token_counts(train, layout.vocab_size)
     used = select_vocab(counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
-    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used)
+    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used,
+                            **spec.norm_flags())
     stream = BatchStream([s.input_ids.numel() for s in train], spec.batch_tokens, spec.seed)
     total = spec.steps or max(1, round(spec.epochs * stream.batches_per_epoch()))
     return TrainingSetup(layout=layout, train=train, val=val, drafter=drafter, target_lm_head=head,
