@@ -4,6 +4,8 @@
     step(k):  a = cat(input_layernorm(embed(x)), hidden_norm(h))          # [B, T, 2H], embedding first
               h = h + o_proj(attn(a))  ;  h = h + mlp(post_attention_layernorm(h))   # pre-norm state, fed back
               logits = lm_head(norm(h))                 # [B, T, Vd] draft-vocab logits; target id = i + d2t[i]
+EAGLE 3.1's optional norms (DrafterConfig.norm_before_fc / fc_norm / norm_output) add an RMSNorm before fc, over
+cat(aux) or per aux chunk, and feed norm(h) back instead of h.
 
 Module names equal the EAGLE/SpecForge checkpoint names, so export is the state dict minus the frozen embedding
 (eyas.exports writes and loads the checkpoints).
@@ -20,9 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-
 NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's optional norms, as config.json names them
+
+
+def check_norm_flags(norm_before_fc: bool, fc_norm: bool) -> None:
+    """The two fc norms exclude each other (speculators refuses both too)."""
+    if norm_before_fc and fc_norm:
+        raise ValueError("norm_before_fc and fc_norm are alternatives: one norm over all aux layers, or one each")
 
 
 @dataclass
@@ -50,8 +56,7 @@ class DrafterConfig:
     norm_output: bool = False
 
     def __post_init__(self):
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm are alternatives (one norm over cat(aux), or one per chunk)")
+        check_norm_flags(self.norm_before_fc, self.fc_norm)
 
     @property
     def norms(self) -> dict[str, bool]:

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyas.drafter import Drafter, TTTCache
+from eyas.drafter import NORM_FLAGS, Drafter, TTTCache
 from orchestration.embedded import EmbeddedRunner
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
@@ -357,7 +357,7 @@ def test_eagle31_norms_export_and_load_as_trained(norms, tmp_path):
     assert set(unsupported) == {"sglang"} and "EAGLE 3.1" in unsupported["sglang"]
     for sub in ("eagle", "speculators"):
         cfg = json.loads((tmp_path / sub / "config.json").read_text())
-        assert {k: cfg.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+        assert {k: cfg.get(k, False) for k in NORM_FLAGS} == {
             "norm_before_fc": False, "fc_norm": False, "norm_output": False, **norms}
         assert set(norms) <= {k for k in cfg if cfg[k] is True}  # top level, where the engines read them
     aux, ids = torch.randn(1, 9, 3 * 576) * 20, torch.randint(0, 49152, (1, 9))

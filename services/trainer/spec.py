@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from eyas.confine import names
 from eyas.device import DTypeName, placement
-from eyas.drafter import NORM_FLAGS
+from eyas.drafter import NORM_FLAGS, check_norm_flags
 from eyas.features import FeatureReader
 from eyas.layout import Layout, check_layout
 from eyas.settings import Settings
@@ -61,8 +61,7 @@ class Spec(StageSpec):
 
     @model_validator(mode="after")
     def _one_fc_norm(self) -> Spec:
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm are alternatives: one norm over all aux layers, or one each")
+        check_norm_flags(self.norm_before_fc, self.fc_norm)
         return self
 
     def norm_flags(self) -> dict[str, bool]:

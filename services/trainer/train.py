@@ -122,8 +122,7 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     counts = token_counts(train, layout.vocab_size)
     used = select_vocab(counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
-    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used,
-                            **spec.norm_flags())
+    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.norm_flags())
     stream = BatchStream([s.input_ids.numel() for s in train], spec.batch_tokens, spec.seed)
     total = spec.steps or max(1, round(spec.epochs * stream.batches_per_epoch()))
     return TrainingSetup(layout=layout, train=train, val=val, drafter=drafter, target_lm_head=head,
