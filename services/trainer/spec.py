@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.device import DTypeName, placement
@@ -25,7 +25,14 @@ CPU_PRESET: dict[str, Any] = {"ttt_steps": 3, "draft_vocab_size": 4096, "lr": 3e
                               "warmup": 10, "epochs": 3.0}
 
 
+# The schema's statement of check_norm_flags (the API's schema states every rule submit applies): not both fc norms.
+_ONE_FC_NORM = {"not": {"required": ["norm_before_fc", "fc_norm"],
+                        "properties": {"norm_before_fc": {"const": True}, "fc_norm": {"const": True}}}}
+
+
 class Spec(StageSpec):
+    model_config = ConfigDict(json_schema_extra=_ONE_FC_NORM)
+
     features: names("artifact") = Field(
         description="features artifact URI (s3://bucket/features/ID) or local directory")
     target: names("target", exact=(BUNDLED,)) | None = Field(
