@@ -6,6 +6,7 @@ In its first seconds the run measures what each stage's time is made of, with th
   forward   target forward tokens/s over whole conversations (extraction)
   train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths,
             in a batch shaped like the run's)
+  validate  the same batch's tokens/s forward only (the trainer's validation passes)
   step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
             decoding of DECODE_PROMPTS prompts goes token by token)
 and then sizes the prompts, the evaluation prompts and, for budgets too small for one batch, the answer length, so
@@ -15,8 +16,12 @@ prompt costs in tokens (the constants below) was measured on the bundled target;
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+from services.trainer.data import BatchStream
+from services.trainer.spec import CPU_PRESET, Spec as TrainSpec
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
 # from `eyas run` job records: bench/README.md ("eyas run --minutes").
@@ -44,6 +49,10 @@ FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher
 EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET), what prompts are sized with
 MAX_EPOCHS = 6.0  # the time the prompts leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
 TRAIN_SHARE = 0.9  # of the samples (val_every 10)
+# Validations `eyas run` asks of the trainer, about (the first, at step 0, and the last included): enough points for
+# the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
+# 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
+VAL_PASSES = 10
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Rates:
     decode_half_tok_s: float  # at half of it
     forward_tok_s: float
     train_tok_s: float
+    val_tok_s: float
     step_s: float
 
 
@@ -93,16 +103,36 @@ def decode_step_s(rates: Rates, rows: int, batch: int) -> float:
     return max(half_s + per_row * (rows - half), full_s * rows / batch)
 
 
+def sample_tokens(max_tokens: int) -> float:
+    """Tokens of one conversation as extraction and training see it: the rendered prompt and its answer."""
+    return PROMPT_TOKENS + ANSWER_FILL * max_tokens
+
+
+def train_steps(prompts: int, max_tokens: int, epochs: float) -> int:
+    """The trainer's optimizer steps (services/trainer/train.py: prepare), for train samples of the planned length."""
+    lengths = [round(sample_tokens(max_tokens))] * max(1, round(TRAIN_SHARE * prompts))
+    return max(1, round(epochs * BatchStream(lengths, CPU_PRESET["batch_tokens"], seed=0).batches_per_epoch()))
+
+
+def val_interval_for(prompts: int, max_tokens: int, epochs: float) -> int:
+    """Steps between the trainer's validations for about VAL_PASSES of them, never more often than its default."""
+    default = TrainSpec.model_fields["val_interval"].default
+    return max(default, math.ceil(train_steps(prompts, max_tokens, epochs) / (VAL_PASSES - 1)))
+
+
 def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int, batch: int,
                   epochs: float = EPOCHS) -> dict[str, float]:
     """Predicted seconds per stage; model loads and writes are spread over the stages by FIXED_S / 4."""
-    answer = ANSWER_FILL * max_tokens
+    tokens = prompts * sample_tokens(max_tokens)
     fixed = FIXED_S / 4
     steps = SYNTH_DRAWS * SYNTH_TOKENS + ANSWER_STEP_COST * max_tokens  # per prompt, in the probe's steps
+    # at step 0, every interval, and at the end
+    val_passes = 1 + math.ceil(train_steps(prompts, max_tokens, epochs) / val_interval_for(prompts, max_tokens, epochs))
     return {
         "generate": fixed + steps * sum(decode_step_s(rates, rows, batch) for rows in batches(prompts, batch)),
-        "extract": fixed + prompts * (PROMPT_TOKENS + answer) / rates.forward_tok_s,
-        "train": fixed + epochs * TRAIN_SHARE * prompts * (PROMPT_TOKENS + answer) / rates.train_tok_s,
+        "extract": fixed + tokens / rates.forward_tok_s,
+        "train": fixed + epochs * TRAIN_SHARE * tokens / rates.train_tok_s
+        + val_passes * (1 - TRAIN_SHARE) * tokens / rates.val_tok_s,
         "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
         + (eval_prompts + SECOND_SET_PROMPTS) * (EVAL_NEW_TOKENS * EVAL_GREEDY_COST / rates.decode_tok_s
                                                  + (PROMPT_TOKENS + EVAL_NEW_TOKENS) / rates.forward_tok_s),
@@ -139,7 +169,7 @@ def measure_rates(target_name: str, batch: int) -> Rates:
 
     from eyas.drafter import Drafter, DrafterConfig
     from eyas.batching import Batch
-    from eyas.ttt import ttt_forward
+    from eyas.ttt import label_rows, target_top, ttt_forward
     from services.generator.engine import InProcessEngine, SamplingParams
 
     engine = InProcessEngine(target_name, max_batch=batch)
@@ -191,11 +221,19 @@ def measure_rates(target_name: str, batch: int) -> Rates:
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     train = rows * n / min(times[1:])
+    # validation: forward only, with the target's argmax cached as the trainer caches it after the first pass
+    fake = replace(fake, target_top=target_top(fake.final_hidden, head, label_rows(mask)))
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ttt_forward(drafter, fake, head, 3)
+            times.append(time.perf_counter() - t0)
     return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward, train_tok_s=train,
-                 step_s=step)
+                 val_tok_s=rows * n / min(times[1:]), step_s=step)
 
 
 def rates_line(rates: Rates) -> str:
     r = asdict(rates)
     return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), forward {r['forward_tok_s']:.0f} tok/s, "
-            f"train {r['train_tok_s']:.0f} tok/s, target step {1000 * r['step_s']:.0f} ms")
+            f"train {r['train_tok_s']:.0f} tok/s (validate {r['val_tok_s']:.0f}), target step {1000 * r['step_s']:.0f} ms")

@@ -60,7 +60,8 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.embedded import EmbeddedRunner, command_line_settings
 
-    from orchestration.budget import ANSWER_TOKENS, DECODE_PROMPTS, batches, measure_rates, plan_run, rates_line
+    from orchestration.budget import (ANSWER_TOKENS, DECODE_PROMPTS, batches, measure_rates, plan_run, rates_line,
+                                      val_interval_for)
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
@@ -76,7 +77,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
         print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
               "(the flags given)")
-    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs}
+    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs,
+                   "val_interval": val_interval_for(num_prompts, max_tokens, plan.epochs)}
     if args.train_steps:
         train["steps"] = args.train_steps
     evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts,

@@ -2,13 +2,18 @@
 prompts in balanced in-process batches, and below one batch shortens the run rather than overrunning it."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
-from orchestration.budget import EPOCHS, MAX_EPOCHS, Rates, batches, plan_run, stage_seconds
+from orchestration.budget import (EPOCHS, MAX_EPOCHS, VAL_PASSES, Rates, batches, plan_run, stage_seconds, train_steps,
+                                  val_interval_for)
 from orchestration.run_command import apply_overrides
 
 # about what a quiet 2-core machine measures with the bundled target
-QUIET = Rates(decode_tok_s=270.0, decode_half_tok_s=190.0, forward_tok_s=2500.0, train_tok_s=700.0, step_s=0.02)
+QUIET = Rates(decode_tok_s=270.0, decode_half_tok_s=190.0, forward_tok_s=2500.0, train_tok_s=700.0,
+              val_tok_s=2100.0, step_s=0.02)
 BATCH = 96
 
 
@@ -55,10 +60,21 @@ def test_answers_too_long_for_one_batch_are_shortened():
 
 
 def test_a_slow_machine_gets_fewer_prompts_and_shorter_answers_not_an_overrun():
-    slow = Rates(decode_tok_s=12.0, decode_half_tok_s=8.0, forward_tok_s=400.0, train_tok_s=100.0, step_s=0.05)
+    slow = Rates(decode_tok_s=12.0, decode_half_tok_s=8.0, forward_tok_s=400.0, train_tok_s=100.0,
+                 val_tok_s=300.0, step_s=0.05)
     plan = plan_run(5, slow, batch=48)
     assert plan.num_prompts < 48 and plan.max_tokens < 192
     assert sum(plan.seconds.values()) <= 5 * 60 or plan.num_prompts == 8  # the floor: something still trains
+
+
+def test_long_runs_validate_about_val_passes_times_and_validation_is_planned():
+    # short runs keep the trainer's interval (100 steps); long ones stretch it to about VAL_PASSES validations
+    assert val_interval_for(200, 96, 3.0) == 100
+    for prompts in (2000, 20000):
+        assert 1 + math.ceil(train_steps(prompts, 96, 3.0) / val_interval_for(prompts, 96, 3.0)) <= VAL_PASSES + 1
+    # validation is in the train stage's time: slower validation, fewer prompts for the same budget
+    slow_val = dataclasses.replace(QUIET, val_tok_s=QUIET.val_tok_s / 4)
+    assert plan_run(60, slow_val, batch=BATCH).num_prompts < plan_run(60, QUIET, batch=BATCH).num_prompts
 
 
 def test_set_overrides_reach_the_stage_specs_and_a_bad_one_is_named():
