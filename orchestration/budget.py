@@ -114,10 +114,14 @@ def train_steps(prompts: int, max_tokens: int, epochs: float) -> int:
     return max(1, round(epochs * BatchStream(lengths, CPU_PRESET["batch_tokens"], seed=0).batches_per_epoch()))
 
 
-def val_interval_for(prompts: int, max_tokens: int, epochs: float) -> int:
+def val_interval(steps: int) -> int:
     """Steps between the trainer's validations for about VAL_PASSES of them, never more often than its default."""
-    default = TrainSpec.model_fields["val_interval"].default
-    return max(default, math.ceil(train_steps(prompts, max_tokens, epochs) / (VAL_PASSES - 1)))
+    return max(TrainSpec.model_fields["val_interval"].default, math.ceil(steps / (VAL_PASSES - 1)))
+
+
+def val_passes(steps: int) -> int:
+    """The trainer's validations at that interval: at step 0, every interval, and at the end."""
+    return 1 + math.ceil(steps / val_interval(steps))
 
 
 def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int, batch: int,
@@ -126,13 +130,12 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
     tokens = prompts * sample_tokens(max_tokens)
     fixed = FIXED_S / 4
     steps = SYNTH_DRAWS * SYNTH_TOKENS + ANSWER_STEP_COST * max_tokens  # per prompt, in the probe's steps
-    # at step 0, every interval, and at the end
-    val_passes = 1 + math.ceil(train_steps(prompts, max_tokens, epochs) / val_interval_for(prompts, max_tokens, epochs))
+    validations = val_passes(train_steps(prompts, max_tokens, epochs))
     return {
         "generate": fixed + steps * sum(decode_step_s(rates, rows, batch) for rows in batches(prompts, batch)),
         "extract": fixed + tokens / rates.forward_tok_s,
         "train": fixed + epochs * TRAIN_SHARE * tokens / rates.train_tok_s
-        + val_passes * (1 - TRAIN_SHARE) * tokens / rates.val_tok_s,
+        + validations * (1 - TRAIN_SHARE) * tokens / rates.val_tok_s,
         "evaluate": fixed + STEP_TIMES_S + DECODE_PROMPTS * EVAL_NEW_TOKENS * DECODE_STEP_COST * rates.step_s
         + (eval_prompts + SECOND_SET_PROMPTS) * (EVAL_NEW_TOKENS * EVAL_GREEDY_COST / rates.decode_tok_s
                                                  + (PROMPT_TOKENS + EVAL_NEW_TOKENS) / rates.forward_tok_s),

@@ -61,7 +61,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.embedded import EmbeddedRunner, command_line_settings
 
     from orchestration.budget import (ANSWER_TOKENS, DECODE_PROMPTS, batches, measure_rates, plan_run, rates_line,
-                                      val_interval_for)
+                                      train_steps, val_interval)
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
@@ -77,8 +77,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
         print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
               "(the flags given)")
+    steps = args.train_steps or train_steps(num_prompts, max_tokens, plan.epochs)
     train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs,
-                   "val_interval": val_interval_for(num_prompts, max_tokens, plan.epochs)}
+                   "val_interval": val_interval(steps)}
     if args.train_steps:
         train["steps"] = args.train_steps
     evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts,

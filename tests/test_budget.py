@@ -8,7 +8,7 @@ import math
 import pytest
 
 from orchestration.budget import (EPOCHS, MAX_EPOCHS, VAL_PASSES, Rates, batches, plan_run, stage_seconds, train_steps,
-                                  val_interval_for)
+                                  val_interval, val_passes)
 from orchestration.run_command import apply_overrides
 
 # about what a quiet 2-core machine measures with the bundled target
@@ -69,9 +69,10 @@ def test_a_slow_machine_gets_fewer_prompts_and_shorter_answers_not_an_overrun():
 
 def test_long_runs_validate_about_val_passes_times_and_validation_is_planned():
     # short runs keep the trainer's interval (100 steps); long ones stretch it to about VAL_PASSES validations
-    assert val_interval_for(200, 96, 3.0) == 100
+    assert val_interval(train_steps(200, 96, 3.0)) == 100
     for prompts in (2000, 20000):
-        assert 1 + math.ceil(train_steps(prompts, 96, 3.0) / val_interval_for(prompts, 96, 3.0)) <= VAL_PASSES + 1
+        steps = train_steps(prompts, 96, 3.0)
+        assert val_passes(steps) == 1 + math.ceil(steps / val_interval(steps)) <= VAL_PASSES + 1
     # validation is in the train stage's time: slower validation, fewer prompts for the same budget
     slow_val = dataclasses.replace(QUIET, val_tok_s=QUIET.val_tok_s / 4)
     assert plan_run(60, slow_val, batch=BATCH).num_prompts < plan_run(60, QUIET, batch=BATCH).num_prompts
