@@ -30,13 +30,12 @@ class Settings(BaseSettings):
     s3_retry_s: float = Field(120.0, ge=0)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # kombu's Redis transport gives an unacked task to another worker once its delivery is older than this.
-    # A running task renews its delivery every visibility_timeout_s / 6 (orchestration.tasks), so this is how long a
-    # task of a dead worker (machine gone, whole worker SIGKILLed) waits before it runs again, not a cap on
-    # task length. (A task whose pool process alone dies is requeued at once: task_reject_on_worker_lost.)
+    # How long a job of a dead worker (machine gone, whole worker SIGKILLed, pool process killed) waits before it
+    # runs again, not a cap on task length: a running task holds its job's lease, renewed every third of this, and a
+    # worker's sweep requeues a running job whose lease lapsed (orchestration.lease, orchestration.tasks).
     visibility_timeout_s: float = Field(60.0, gt=0)
-    # How often each worker sweeps for expired deliveries (kombu's default: every 10 s × throttle 10 = 100 s).
-    unacked_restore_interval_s: float = Field(2.0, gt=0)
+    # How often each worker sweeps for jobs whose lease lapsed (and the broker for its expired deliveries).
+    lease_sweep_s: float = Field(2.0, gt=0)
 
     # Generator: the most requests one worker process keeps in flight, whatever a job's concurrency (its global
     # maximum per endpoint) allows; more workers, more in flight, up to that maximum.

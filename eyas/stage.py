@@ -2,8 +2,10 @@
 writes its output artifact through `ctx`.
 
 Each stage (services/<stage>/core.py) exposes `Spec` (a StageSpec), `INPUT_FIELD` (the spec field that names the
-input artifact), `run`, and optionally `assist`. The orchestration builds the context: where the output goes, the
-settings, and how progress is reported (and cancellation noticed). A stage never sees job records or queues.
+input artifact), `run`, and optionally `assist` (a helper's share of a run's work). The orchestration builds the
+context: where the output goes, the settings, how progress is reported (and cancellation noticed), and what the
+stage may coordinate through (eyas.coordination: a concurrency limit per endpoint, a source of work items), each
+built for the deployment. A stage never sees job records, queues or the deployment mode.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eyas.coordination import LimitFactory, Share, local_limits, local_share
 from eyas.settings import Settings
 from eyas.store import Artifact, ObjectStore
 
@@ -88,8 +91,11 @@ class StageContext:
     output: Artifact  # where this job's artifact goes (deterministic: {kind}/{job_id})
     report: ProgressSink = lambda done, total, unit, metrics: False
     attempt: int = 1  # the job's run number (a redelivered task runs it again)
-    # service mode: recruit(n) asks n more workers of this stage to help with this run (the stage's `assist`)
-    recruit: Callable[[int], None] | None = None
+    # limit(key, maximum, initial): the concurrency limit against `key` (an endpoint), this process's or shared
+    limit: LimitFactory = field(default_factory=lambda: local_limits(256))
+    # share(ids, helpers, min_chunk): the run's source of work items, shared with up to `helpers` other workers
+    # where the deployment has them (their part runs the stage's `assist`)
+    share: Share = local_share
     metrics: dict[str, Any] = field(default_factory=dict)
     _last_progress: float = 0.0
 

@@ -9,10 +9,12 @@ Delivery guarantees, and the kombu 5.7 Redis-transport options behind them (komb
     task at once instead of marking it failed.
   - worker_prefetch_multiplier=1: a worker holds no more tasks than it has pool processes; a long task never keeps
     a second one waiting behind it while other workers are idle.
-  - visibility_timeout: an unacknowledged delivery older than this goes back to its queue (QoS.restore_visible).
-    That is how the task of a worker that died whole (machine gone, every process killed) comes back. A running
-    task keeps its delivery young (orchestration.tasks renews it every visibility_timeout / 6), so a long task is never
-    handed to a second worker while its own worker is alive.
+  - visibility_timeout: an unacknowledged delivery older than this goes back to its queue (QoS.restore_visible),
+    whether its worker died or its task is merely long, so it is set far beyond any lease (BROKER_VISIBILITY_S):
+    the project's own leases (orchestration.lease) tell a live task from a dead one. A task holds its job's lease
+    while it runs, and a worker's sweep (orchestration.tasks) requeues a running job whose lease nobody holds,
+    within settings.visibility_timeout_s of its worker's death. The broker's restore is left as the backstop for a
+    delivery whose worker died before its task took the lease; a delivery of a job whose lease is held is dropped.
   - unacked_restore_interval (seconds between restore sweeps, default 10) and unacked_restore_throttle (scan on
     every Nth sweep, default 10): the defaults sweep every ~100 s; 1 makes the interval the whole period.
     unacked_mutex_expire (default 300 s): the lock a sweep holds; one left by a killed worker expires sooner.
@@ -26,7 +28,10 @@ from eyas.settings import Settings
 from orchestration.registry import STAGE_ORDER
 
 TASK = "eyas.run_job"  # run_job(job_id), routed to the job's stage queue
-ASSIST_TASK = "eyas.assist_job"  # assist_job(job_id, attempt): a helper's share of a running job, same queue
+ASSIST_TASK = "eyas.assist_job"  # assist_job(job_id, attempt, index, ids): a chunk of a running job's work
+
+
+BROKER_VISIBILITY_S = 12 * 3600
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -38,8 +43,8 @@ def make_celery(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_transport_options={
-            "visibility_timeout": settings.visibility_timeout_s,
-            "unacked_restore_interval": settings.unacked_restore_interval_s,
+            "visibility_timeout": BROKER_VISIBILITY_S,
+            "unacked_restore_interval": settings.lease_sweep_s,
             "unacked_restore_throttle": 1,
             # a worker killed inside a sweep leaves the sweep's lock behind; it blocks other sweeps this long
             "unacked_mutex_expire": 30,
@@ -65,11 +70,10 @@ def celery_dispatch(app: Celery):
     return dispatch
 
 
-def celery_recruit(app: Celery):
-    """Ask `n` more workers of the stage to help with a running job: n helper tasks on the stage's queue."""
+def celery_send_chunk(app: Celery):
+    """Send a chunk of a running job's work (orchestration.workshare) to the stage's queue as a task of its own."""
 
-    def recruit(stage: str, job_id: str, attempt: int, n: int) -> None:
-        for _ in range(n):
-            app.send_task(ASSIST_TASK, args=[job_id, attempt], queue=stage, routing_key=stage)
+    def send(stage: str, job_id: str, attempt: int, index: int, ids: list[str]) -> None:
+        app.send_task(ASSIST_TASK, args=[job_id, attempt, index, ids], queue=stage, routing_key=stage)
 
-    return recruit
+    return send

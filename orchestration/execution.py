@@ -3,7 +3,7 @@
 submit():  validate a spec (and confine it: eyas.confine), create the job record (queued), hand it to the
            dispatcher.
 execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then`.
-assist():  a helper's share of a running job (service mode; the generator shares its prompts among workers).
+assist():  a helper's share of a running job's work (a chunk task of the service mode: orchestration.workshare).
 A redelivered job (its worker died) runs again into the same deterministic prefix; an artifact whose manifest is
 already committed there is reused, so it is written exactly once. A worker parses and confines a job's spec again
 before it runs it (its own settings decide), so a record that reached the queue another way runs nothing it may
@@ -19,18 +19,19 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from eyas.confine import Refused, check_spec
+from eyas.coordination import Work
 from eyas.keys import safe_key
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.stage import Cancelled, StageContext
 from eyas.store import Artifact, ObjectStore
-from orchestration.jobs import TERMINAL, JobNotFound, JobRecord, JobStore, Progress, new_job_id, transition, update
+from orchestration.coordination import Coordination, coordination_for
+from orchestration.jobs import TERMINAL, JobNotFound, JobRecord, JobStore, Progress, new_job_id, next_job_id, transition, update
 from orchestration.registry import ARTIFACT_DIRS, STAGE_ORDER, get_stage, step_model
 
 log = logging.getLogger(__name__)
 
 Dispatch = Callable[[str, str], None]  # (stage, job_id) → schedules execute(job_id)
-Recruit = Callable[[str, str, int, int], None]  # (stage, job_id, attempt, n) → schedules n × assist(job_id, attempt)
 
 
 class SpecError(ValueError):
@@ -135,7 +136,7 @@ def _job_reporter(jobs: JobStore, job_id: str):
 
 
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
-            output: Artifact | None = None, recruit: Recruit | None = None) -> JobRecord:
+            output: Artifact | None = None, coordination: Coordination | None = None) -> JobRecord:
     job = jobs.get(job_id)
     if job.state in TERMINAL:
         log.info("job %s is already %s; nothing to do", job_id, job.state)
@@ -145,9 +146,10 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
     stage = get_stage(job.stage)
     job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
     output = output or job_output(store, job)
+    coordination = coordination or coordination_for(settings)
     ctx = StageContext(job_id=job_id, settings=settings, store=store, output=output,
-                       report=_job_reporter(jobs, job_id), attempt=job.attempts, recruit=None if recruit is None else (
-                           lambda n: recruit(job.stage, job_id, job.attempts, n)))
+                       report=_job_reporter(jobs, job_id), attempt=job.attempts, limit=coordination.limit,
+                       share=coordination.share(job.stage, job_id, job.attempts))
     try:
         spec = parse_spec(job.stage, job.spec, settings)
         if output.exists("manifest.json"):
@@ -169,7 +171,7 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
     if spec.then:
         # The next job's id derives from this one, so a redelivered task never enqueues it twice.
         name, overrides = _next_spec(spec.then[0])
-        next_job = f"{name[:3]}-{job_id.split('-', 1)[1]}"
+        next_job = next_job_id(job_id, name)
         try:
             jobs.get(next_job)
         except JobNotFound:
@@ -180,17 +182,20 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
                       next_job=next_job)
 
 
-def assist(job_id: str, attempt: int, jobs: JobStore, store: ObjectStore, settings: Settings) -> None:
-    """Help run `attempt` of a running job. A helper that finds the job finished, or re-run since, does nothing;
-    one that fails only logs: the job's own run takes over whatever it left (see services/generator/workshare)."""
+def assist(job_id: str, attempt: int, work: Work, jobs: JobStore, store: ObjectStore, settings: Settings,
+           coordination: Coordination) -> bool:
+    """Work `work` (a share of run `attempt` of a running job) with the job's stage. False, doing nothing, for a job
+    that has finished or was run again since. A helper that fails only logs: the job's own run takes over whatever
+    it left (orchestration.workshare)."""
     job = jobs.get(job_id)
     stage = get_stage(job.stage)
     if job.state != "running" or job.attempts != attempt or stage.assist is None:
         log.info("job %s: nothing to help with (%s, attempt %d)", job_id, job.state, job.attempts)
-        return
+        return False
     ctx = StageContext(job_id=job_id, settings=settings, store=store, attempt=attempt,
-                       output=job_output(store, job))
+                       output=job_output(store, job), limit=coordination.limit)
     try:
-        stage.assist(parse_spec(job.stage, job.spec, settings), ctx)
+        stage.assist(parse_spec(job.stage, job.spec, settings), ctx, work)
     except Exception:
         log.exception("helping job %s failed; its own run takes over", job_id)
+    return True

@@ -59,8 +59,19 @@ class JobRecord(BaseModel):
     updated_at: float = Field(default_factory=time.time)
 
 
+def _job_id(stage: str, key: str) -> str:
+    """The job-id scheme: the stage's first three letters, then a key the stages of one pipeline share."""
+    return f"{stage[:3]}-{key}"
+
+
 def new_job_id(stage: str) -> str:
-    return f"{stage[:3]}-{uuid.uuid4().hex[:12]}"
+    return _job_id(stage, uuid.uuid4().hex[:12])
+
+
+def next_job_id(job_id: str, stage: str) -> str:
+    """The id of the `stage` job that follows `job_id` in its pipeline: derived from it, so a redelivered task
+    never enqueues the next stage twice."""
+    return _job_id(stage, job_id.split("-", 1)[1])
 
 
 class JobStore(Protocol):

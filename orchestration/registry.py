@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, create_model
+from pydantic import BaseModel, BeforeValidator, Field, create_model
 from pydantic.json_schema import SkipJsonSchema
 
+from eyas.coordination import Work
 from eyas.stage import StageContext, StageResult, StageSpec
 
 STAGE_ORDER = ("generate", "extract", "train", "evaluate")
-# stage → module with Spec, INPUT_FIELD and run(spec, ctx) (and optionally assist)
+# stage → module with Spec, INPUT_FIELD and run(spec, ctx) (and optionally assist and ARTIFACT_MODELS)
 _MODULES = {
     "generate": "services.generator.core",
     "extract": "services.extractor.core",
@@ -32,8 +33,10 @@ class Stage:
     spec_cls: type[StageSpec]
     run: Callable[[StageSpec, StageContext], StageResult]
     input_field: str
-    # a helper's part of a running job (generator only): joins the work the job's own run shares
-    assist: Callable[[StageSpec, StageContext], None] | None = None
+    # a helper's part of a running job (generator only): works a share of what the job's own run shares
+    assist: Callable[[StageSpec, StageContext, Work], None] | None = None
+    # the JSON documents among its artifacts (StageResult.artifacts name → model), which its API schema documents
+    artifact_models: dict[str, type[BaseModel]] = field(default_factory=dict)
 
 
 def get_stage(name: str) -> Stage:
@@ -41,7 +44,7 @@ def get_stage(name: str) -> Stage:
         raise KeyError(f"unknown stage {name!r}; stages are {list(_MODULES)}")
     mod = importlib.import_module(_MODULES[name])
     return Stage(name=name, spec_cls=mod.Spec, run=mod.run, input_field=mod.INPUT_FIELD,
-                 assist=getattr(mod, "assist", None))
+                 assist=getattr(mod, "assist", None), artifact_models=getattr(mod, "ARTIFACT_MODELS", {}))
 
 
 def _not_here(why: str) -> Any:

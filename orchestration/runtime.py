@@ -13,8 +13,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import redis
+
+from orchestration.coordination import Coordination, coordination_for
 from orchestration.jobs import JobStore, RedisJobStore
-from orchestration.execution import Dispatch, Recruit, execute
+from orchestration.execution import Dispatch, execute
+from orchestration.lease import Leases
 from eyas.settings import Settings
 from eyas.store import ObjectStore, S3Store
 
@@ -27,24 +31,26 @@ class Runtime:
     jobs: JobStore
     store: ObjectStore
     dispatch: Dispatch
-    recruit: Recruit | None = None  # service mode: helpers for a running job (orchestration.execution.assist)
+    coordination: Coordination  # what its stages coordinate through (orchestration.coordination)
+    leases: Leases | None = None  # service mode: the leases of the jobs and chunks this process works on
     checks: dict[str, Callable[[], None]] = field(default_factory=dict)  # readiness: name → raises if not ready
     close: Callable[[], None] = lambda: None
 
 
 def service_runtime(settings: Settings) -> Runtime:
-    from orchestration.celery_app import celery_dispatch, celery_recruit, make_celery
+    from orchestration.celery_app import celery_dispatch, celery_send_chunk, make_celery
 
     app = make_celery(settings)
     jobs = RedisJobStore(settings.redis_url)
     store = S3Store(settings)
+    leases = Leases(redis.Redis.from_url(settings.redis_url), settings.visibility_timeout_s)
 
     def broker() -> None:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=3)
 
     return Runtime(settings=settings, jobs=jobs, store=store, dispatch=celery_dispatch(app),
-                   recruit=celery_recruit(app),
+                   coordination=coordination_for(settings, leases, celery_send_chunk(app)), leases=leases,
                    checks={"broker": broker, "jobs": jobs.ping, "store": store.ping})
 
 
@@ -86,6 +92,7 @@ def embedded_runtime(settings: Settings) -> Runtime:
     emb = EmbeddedRunner(settings)
     executor = BackgroundExecutor(emb.jobs, emb.store, settings)
     return Runtime(settings=settings, jobs=emb.jobs, store=emb.store, dispatch=executor.dispatch,
+                   coordination=coordination_for(settings),
                    checks={"executor": executor.alive, "jobs": emb.jobs.ping, "store": emb.store.ping},
                    close=executor.close)
 

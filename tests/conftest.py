@@ -65,7 +65,7 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Servic
         "s3_secret_key": S3_SECRET, "s3_bucket": f"eyas-test-{os.getpid()}-{next(_buckets)}",
         "workdir": str(tmp_path / "work"), "input_roots": str(tmp_path), "allowed_endpoints": "http://127.0.0.1:*",
         # short, so a dead worker's task comes back within seconds in the tests
-        "visibility_timeout_s": "3", "unacked_restore_interval_s": "0.5",
+        "visibility_timeout_s": "3", "lease_sweep_s": "0.5",
     }
     settings = Settings(**values)
     S3Store(settings).ensure_bucket()

@@ -14,6 +14,7 @@ from orchestration.jobs import (
     RedisJobStore,
     SqliteJobStore,
     new_job_id,
+    next_job_id,
     transition,
     update,
 )
@@ -67,6 +68,14 @@ def test_state_machine_table():
     # terminal states are final; nothing goes back to queued
     assert ALLOWED["succeeded"] == ALLOWED["failed"] == ALLOWED["cancelled"] == frozenset()
     assert all("queued" not in targets for targets in ALLOWED.values())
+
+
+def test_a_pipelines_jobs_share_one_key_and_name_their_stage():
+    first = new_job_id("generate")
+    stage, key = first.split("-", 1)
+    assert stage == "gen" and len(key) == 12 and new_job_id("generate") != first
+    assert next_job_id(first, "extract") == f"ext-{key}"
+    assert next_job_id(next_job_id(first, "extract"), "train") == f"tra-{key}"  # a redelivery derives the same id
 
 
 def test_unknown_job(jobs):

@@ -1,5 +1,5 @@
 """Generator stage: regenerate every assistant turn of a prompt set with the target (through an OpenAI-compatible
-endpoint, or in-process for the embedded default), and store conversations as JSONL shards + manifest.
+endpoint, or in-process where no endpoint is given), and store conversations as JSONL shards + manifest.
 
 Each assistant turn is conditioned on the regenerated history; the system prompt is kept. Records keep
 reasoning_content beside content (both are what the drafter learns), finish_reason and usage per turn, and the
@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from eyas.coordination import LocalLimit, Work
 from eyas.datasets import DEAD_LETTER_FILE, PROMPTS_FILE, saved_prompts, shard_name
 from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest
 from eyas.prompts import Prompt
@@ -26,10 +27,8 @@ from services.generator.generate import Generator
 from services.generator.journal import Journal
 from services.generator.probe import check_endpoint
 from services.generator.spec import Spec
-from services.generator.limit import LocalLimit, SharedLimit
 from services.generator.server_load import ServerLoad
 from services.generator.throttle import Throttle
-from services.generator.workshare import LocalWork, SharedWork, Work
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "prompts"
@@ -43,22 +42,23 @@ def _make_engine(spec: Spec, settings) -> Engine:
                       max_connections=spec.concurrency, timeout_s=spec.request_timeout_s)
 
 
-def _make_throttle(spec: Spec, settings) -> Throttle:
+def _make_throttle(spec: Spec, ctx: StageContext) -> Throttle:
     # this process's share: the job's concurrency, capped by what one worker may keep in flight
-    most = min(spec.concurrency, settings.worker_max_in_flight)
+    most = _most_in_flight(spec, ctx)
     if spec.endpoint is None:  # in-process: the engine batches whatever is in flight
         return Throttle(LocalLimit(most, initial=most), most)
-    start = spec.initial_concurrency or 4
-    if settings.mode == "service":  # one limit per endpoint, grown and cut by every worker, under the job's maximum
-        limit = SharedLimit(settings.redis_url, spec.endpoint, spec.concurrency, initial=start)
-    else:
-        limit = LocalLimit(most, initial=start)
+    # the endpoint's limit, grown and cut by every process the deployment shares it with, under the job's maximum
+    limit = ctx.limit(spec.endpoint, spec.concurrency, spec.initial_concurrency or 4)
     return Throttle(limit, most, latency_factor=spec.latency_factor, load=ServerLoad(spec.endpoint))
+
+
+def _most_in_flight(spec: Spec, ctx: StageContext) -> int:
+    return min(spec.concurrency, ctx.settings.worker_max_in_flight)
 
 
 async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict[str, Prompt], work: Work,
                     journal: Journal, already: int, coordinator: bool) -> dict[str, int]:
-    throttle = _make_throttle(spec, ctx.settings)
+    throttle = _make_throttle(spec, ctx)
     try:
         gen = Generator(spec, engine, throttle, journal, ctx)
         await gen.run(prompts, work, already, coordinator)
@@ -68,18 +68,16 @@ async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict
 
 
 def _share_work(spec: Spec, ctx: StageContext, pending: list[str]) -> Work:
-    """Service mode: publish the pending prompts for every generator worker and ask for helpers."""
-    if ctx.recruit is None or spec.max_workers == 1 or len(pending) < 2:
-        return LocalWork(pending)
-    work = SharedWork(ctx.settings.redis_url, ctx.job_id, ctx.attempt, ctx.settings.visibility_timeout_s)
-    work.publish(pending)
-    ctx.recruit(min(spec.max_workers - 1, len(pending) - 1))
-    return work
+    """The pending prompts, shared with other generator workers where the deployment has them and one process
+    cannot keep them all in flight."""
+    most = _most_in_flight(spec, ctx)
+    helpers = spec.max_workers - 1 if len(pending) > most else 0
+    return ctx.share(pending, helpers, most)
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
-    """The job's own task (the coordinator): resolve the prompts, generate them (with helpers in service mode),
-    and fold the journal into the final shards."""
+    """The job's own task (the coordinator): resolve the prompts, generate them (with helpers where the deployment
+    shares the work), and fold the journal into the final shards."""
     tokenizer = load_tokenizer(spec.target)
     tok_hash = tokenizer_hash(tokenizer)
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
@@ -107,7 +105,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 stats = await _generate(spec, ctx, engine, pending, work, journal, len(done), coordinator=True)
                 shared = work.shared_stats()  # what the helpers counted
             finally:
-                work.retire()
+                work.close()
             return prompts, source_counts, stats, shared, len(pending), set(done)
         finally:
             await engine.aclose()
@@ -158,26 +156,22 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     return StageResult(output_uri=ctx.output.uri, metrics=metrics)
 
 
-def assist(spec: Spec, ctx: StageContext) -> None:
-    """A helper task (service mode): join the job's shared work until nothing is left to claim. Its samples go
-    to the job's journal; the coordinator commits the artifact."""
-    work = SharedWork(ctx.settings.redis_url, ctx.job_id, ctx.attempt, ctx.settings.visibility_timeout_s)
-    try:
-        if work.open_count() == 0 or not ctx.output.exists(PROMPTS_FILE):
-            return  # all claimed or finished already
-        prompts = {p["id"]: Prompt(**p) for p in saved_prompts(ctx.output)["prompts"]}
-        journal = Journal(ctx.output, flush_every=spec.checkpoint_every, on_commit=work.finished)
+def assist(spec: Spec, ctx: StageContext, work: Work) -> None:
+    """A helper: generate the prompts `work` hands out (a share of a running job's). Its samples go to the job's
+    journal; the job's own run commits the artifact."""
+    if not ctx.output.exists(PROMPTS_FILE):
+        return
+    prompts = {p["id"]: Prompt(**p) for p in saved_prompts(ctx.output)["prompts"]}
+    journal = Journal(ctx.output, flush_every=spec.checkpoint_every, on_commit=work.finished)
 
-        async def main() -> dict[str, int]:
-            engine = _make_engine(spec, ctx.settings)
-            try:
-                return await _generate(spec, ctx, engine, prompts, work, journal, 0, coordinator=False)
-            finally:
-                await engine.aclose()
+    async def main() -> dict[str, int]:
+        engine = _make_engine(spec, ctx.settings)
+        try:
+            return await _generate(spec, ctx, engine, prompts, work, journal, 0, coordinator=False)
+        finally:
+            await engine.aclose()
 
-        stats = asyncio.run(main())
-        work.add_stats({"retried": stats["retried"], "completion_tokens": stats["completion_tokens"]})
-        log.info("helped job %s: %d prompts generated, %d dead-lettered", ctx.job_id, stats["completed"],
-                 stats["failed"])
-    finally:
-        work.close()
+    stats = asyncio.run(main())
+    work.add_stats({"retried": stats["retried"], "completion_tokens": stats["completion_tokens"]})
+    log.info("helped job %s: %d prompts generated, %d dead-lettered", ctx.job_id, stats["completed"],
+             stats["failed"])

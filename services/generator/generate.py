@@ -7,6 +7,7 @@ import time
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
 
+from eyas.coordination import Work
 from eyas.prompts import Prompt
 from eyas.stage import StageContext
 from services.generator.engine import Completion, Engine, EngineError
@@ -14,7 +15,6 @@ from services.generator.journal import Journal
 from services.generator.retry import DeadLetter, backoff, retryable
 from services.generator.spec import Spec
 from services.generator.throttle import Throttle
-from services.generator.workshare import Work
 
 
 class Generator:

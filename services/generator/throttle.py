@@ -21,7 +21,7 @@ losses from before its last cut for the same reason); a cut from the server's qu
 has come down to the cut limit.
 
 The state (limit, slow-start threshold, last cut, requests in flight) is the endpoint's, kept by a Limit
-(limit.py): this process's own, or one in Redis that every generator worker shares.
+(eyas.coordination) that the deployment provides: this process's own, or one every generator worker shares.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import time
 
 import httpx
 
-from services.generator.limit import Limit
+from eyas.coordination import Limit
 from services.generator.server_load import Load, ServerLoad
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,9 @@
-"""An endpoint's concurrency state: the limit, the slow-start threshold, when the limit was last cut, and the requests
-in flight under it. The throttle (throttle.py) decides what the answers mean; a Limit keeps the state and applies
-the three changes atomically:
-
-- grow(delta): limit + delta, up to the maximum;
-- cut(sent, factor, by): unless the limit was already cut since `sent`, limit × factor, or limit − by where that is
-  less deep; the cut limit becomes the slow-start threshold (slow start is over);
-- at_least(n): the limit is raised to n (up to the slow-start threshold and the maximum).
-
-LocalLimit is one process's. SharedLimit keeps the state in Redis, one per endpoint, so every generator worker on
-any machine grows and cuts the same limit (two workers are one flow to the endpoint, not two that each slow-start
-and back off on their own); a request holds a lease in a sorted set, taken only while fewer than the limit are
-held. Leases expire unless renewed, so a killed worker's slots come back within `lease_s`. The state outlives a job
-by `state_ttl_s`: the next job on the endpoint within the hour starts from the limit the last one found.
+"""An endpoint's concurrency limit shared by every worker (eyas.coordination.Limit): the state lives in Redis, one per
+endpoint, so every generator worker on any machine grows and cuts the same limit (two workers are one flow to the
+endpoint, not two that each slow-start and back off on their own). A request holds a lease in a sorted set, taken
+only while fewer than the limit are held. Leases expire unless renewed, so a killed worker's slots come back within
+`lease_s`. The state outlives a job by `state_ttl_s`: the next job on the endpoint within the hour starts from the
+limit the last one found. Each change is one Lua script, so it is atomic across workers.
 """
 from __future__ import annotations
 
@@ -22,109 +14,10 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
-from typing import Protocol
+
+from eyas.coordination import Line
 
 log = logging.getLogger(__name__)
-
-
-class Limit(Protocol):
-    maximum: int
-    limit: float  # the latest known values (the shared state may have moved on since)
-    ssthresh: float
-
-    async def acquire(self, first: bool = False) -> str | None: ...  # a slot under the limit (a token to release)
-
-    async def release(self, token: str | None) -> None: ...
-
-    async def in_flight(self) -> int: ...  # requests holding a slot, from every process sharing the limit
-
-    async def grow(self, delta: float) -> None: ...
-
-    async def cut(self, sent: float, factor: float, by: float = math.inf) -> None: ...
-
-    async def at_least(self, n: float) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-
-class Line:
-    """Requests waiting their turn: first come, first served, except that a retry goes to the front. Its prompt has
-    waited its turn once already; behind every fresh prompt it would wait a round trip more for each failure, and
-    a job ends with the prompts that failed most. (SharedLimit's line is for the turn to poll Redis: a retry goes
-    ahead of the requests waiting for it, not of the one polling.)"""
-
-    def __init__(self, abandoned: Callable[[], None]):
-        self._waiting: deque[asyncio.Future] = deque()
-        self._abandoned = abandoned  # a request was let go but cancelled before it went on: pass on what it got
-
-    def join(self, first: bool) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        (self._waiting.appendleft if first else self._waiting.append)(fut)
-        return fut
-
-    async def wait(self, fut: asyncio.Future) -> None:
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._abandoned()
-            raise
-
-    def next(self) -> bool:
-        """Let the next waiting request go; False when none waits."""
-        while self._waiting:
-            fut = self._waiting.popleft()
-            if not fut.done():  # a cancelled request left its future here
-                fut.set_result(None)
-                return True
-        return False
-
-
-class LocalLimit:
-    """One process's limit: waiting requests are admitted in turn (see Line) as slots free up."""
-
-    def __init__(self, maximum: int, initial: float):
-        self.maximum = maximum
-        self.limit, self.ssthresh, self.last_cut = float(min(initial, maximum)), math.inf, 0.0
-        self.held = 0
-        self._line = Line(abandoned=self._give_back)
-
-    def _admit(self) -> None:
-        while self.held < int(self.limit) and self._line.next():
-            self.held += 1
-
-    def _give_back(self) -> None:
-        self.held -= 1
-        self._admit()
-
-    async def acquire(self, first: bool = False) -> None:
-        fut = self._line.join(first)
-        self._admit()
-        await self._line.wait(fut)
-
-    async def release(self, token: None) -> None:
-        self._give_back()
-
-    async def in_flight(self) -> int:
-        return self.held
-
-    async def grow(self, delta: float) -> None:
-        self.limit = min(float(self.maximum), self.limit + delta)
-        self._admit()
-
-    async def cut(self, sent: float, factor: float, by: float = math.inf) -> None:
-        if self.last_cut < sent:
-            self.limit = self.ssthresh = max(1.0, self.limit * factor, self.limit - by)
-            self.last_cut = time.time()
-
-    async def at_least(self, n: float) -> None:
-        self.limit = max(self.limit, min(float(n), self.ssthresh, float(self.maximum)))
-        self._admit()
-
-    async def aclose(self) -> None:
-        pass
 
 
 # The state hash: limit, ssthresh, last_cut; absent fields mean a fresh endpoint (initial limit, no threshold).
