@@ -15,7 +15,8 @@ import time
 import torch
 
 from eyas.target import BUNDLED
-from services.generator.engine import InProcessEngine, SamplingParams
+from services.generator.engine import InProcessEngine
+from services.generator.spec import SamplingParams
 
 TOPICS = ("rivers", "prime numbers", "a job interview", "sorting a list in Python", "the French revolution",
           "a birthday poem", "photosynthesis", "saving money", "a haunted lighthouse", "SQL joins")

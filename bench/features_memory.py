@@ -2,7 +2,8 @@
 plain alternative of reading every shard into memory (`safetensors.torch.load` of the file's bytes), side by side
 on the same synthetic features, each in a fresh process.
 
-The trainer's path is the code `train()` runs: `FeatureReader` (manifest, sha256 and NaN checks) → `split_samples`.
+The trainer's path is the code `train()` runs: `FeatureReader` (manifest, sha256 and NaN checks) → `FeatureStream`
+with a cache the features fit (one window) → `scan_features`, then every train sample read from the loaded window.
 FeatureReader opens shards with safetensors' `load_file`, which maps the file: samples are views of file-backed
 pages that the kernel can drop and read again, so features larger than RAM still train (slower, from disk) instead
 of the process being killed. Both paths touch every value once after loading.
@@ -24,7 +25,8 @@ from eyas.features import FeatureReader, Sample, ShardBuffer, shard_name
 from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout
 from eyas.manifest import ArtifactWriter, Manifest
 from eyas.store import open_artifact
-from services.trainer.data import split_samples
+from eyas.streaming import FeatureStream
+from services.trainer.data import scan_features
 
 TOKENS_PER_SAMPLE = 384
 
@@ -80,8 +82,9 @@ def child(mode: str, features: Path) -> None:
     else:
         with tempfile.TemporaryDirectory() as cache:
             reader = FeatureReader(open_artifact(str(features)), cache_dir=Path(cache))
-            train, val = split_samples(reader, 10)
-            for s in train + val:
+            data = scan_features(FeatureStream(reader, cache_bytes=1 << 50), 10, 49152)
+            data.enter(0, 0, 0)
+            for s in [data.sample(p) for p in range(len(data.train))] + data.val:
                 float(s.aux_hidden.float().sum() + s.final_hidden.float().sum())
             after = _memory_mib()
     print(json.dumps({k: after[k] - base[k] for k in after}))

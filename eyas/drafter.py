@@ -15,7 +15,7 @@ index (the training-time-test structure of docs/eagle3.md §4.3, which is also w
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,9 +80,6 @@ class DrafterConfig:
             num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
             rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None, **norms,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class RMSNorm(nn.Module):

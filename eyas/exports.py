@@ -9,8 +9,10 @@ one back into a Drafter. The drafter artifact (drafters/{id}/) holds:
                 only where it is NaN, so without it its forward embeds every token as zeros), and a config with
                 speculators_model_type eagle3, transformer_layer_config, speculators_config, the aux layer ids
                 (vLLM numbering, always) and an explicit norm_before_residual false (vLLM assumes true when the
-                key is missing). Its verifier names no path (it would be this machine's, and the library opens
-                it): eyas_layout names the target, and whoever loads the export names the verifier there.
+                key is missing). Its verifier is the name the train spec gives, else the target's hub id where
+                one is known (`speculators_verifier`), never the target's path on this machine; the speculators
+                library opens it (config and weights) when it loads the export, so where none is named, whoever
+                loads the export names the verifier there (eyas_layout names the target).
 
   history.json  the training curves: {"train": [{step, loss, acc[k], lr, tokens_per_s}], "val": [{step, loss, acc[k]}]}
 
@@ -30,6 +32,7 @@ from safetensors.torch import save_file
 
 from eyas.drafter import NORM_FLAGS, Drafter, DrafterConfig
 from eyas.layout import Layout, LayoutMismatch, check_serving
+from eyas.target import hub_id
 
 EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"
 EXPORT_DIRS = (EAGLE_DIR, SPECULATORS_DIR)
@@ -121,6 +124,14 @@ def export_tensors(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     return out
 
 
+def speculators_verifier(target: str, target_cfg: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The speculators config's verifier block for `target` (its config.json `target_cfg`): `name` when given (the
+    train spec's `verifier`, as given), else the target's hub id where it is known (eyas.target.hub_id), else null,
+    never the target's path on this machine. The speculators library opens the verifier (config and weights) when
+    it loads the export; vLLM serves it when given the export as its model."""
+    return {"name_or_path": name or hub_id(target, target_cfg), "architectures": target_cfg.get("architectures", [])}
+
+
 def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict[str, Any],
                        speculative_tokens: int) -> dict[str, Any]:
     layer = {k: v for k, v in eagle_cfg.items() if k not in _EAGLE_ONLY}
@@ -144,7 +155,7 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
         **{k: True for k in NORM_FLAGS if eagle_cfg.get(k)},
     }
     # vLLM reads these as input-to-layer ids (docs/eagle3.md §3.4); written even for the default layers, since the
-    # speculators library otherwise resolves them from the verifier, which names no path here
+    # speculators library otherwise resolves them from the verifier, which may name none
     cfg["eagle_aux_hidden_state_layer_ids"] = layout.vllm_ids
     return cfg
 

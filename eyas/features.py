@@ -73,13 +73,16 @@ def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def _split(t: dict[str, torch.Tensor]) -> Iterator[Sample]:
-    offsets = t[OFFSETS].tolist()
-    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
-        yield Sample(
-            input_ids=t[INPUT_IDS][a:b].long(), loss_mask=t[LOSS_MASK][a:b].long(),
-            aux_hidden=t[AUX_HIDDEN][a:b], final_hidden=t[FINAL_HIDDEN][a:b],
-        )
+def shard_sample(t: dict[str, torch.Tensor], i: int) -> Sample:
+    """Sample i of a shard's tensors (views into them)."""
+    a, b = int(t[OFFSETS][i]), int(t[OFFSETS][i + 1])
+    return Sample(input_ids=t[INPUT_IDS][a:b].long(), loss_mask=t[LOSS_MASK][a:b].long(),
+                  aux_hidden=t[AUX_HIDDEN][a:b], final_hidden=t[FINAL_HIDDEN][a:b])
+
+
+def shard_samples(t: dict[str, torch.Tensor]) -> Iterator[Sample]:
+    for i in range(len(t[OFFSETS]) - 1):
+        yield shard_sample(t, i)
 
 
 class FeatureReader:
@@ -121,4 +124,4 @@ class FeatureReader:
 
     def samples(self) -> Iterator[Sample]:
         for name in self.shards:
-            yield from _split(self.load_shard(name))
+            yield from shard_samples(self.load_shard(name))

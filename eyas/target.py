@@ -9,9 +9,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +23,10 @@ from eyas.settings import get_settings
 log = logging.getLogger(__name__)
 
 BUNDLED = "bundled:smollm2-135m-instruct"
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled target's model on the Hugging Face hub
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A Hugging Face hub model id, owner/name (no path: not absolute, no '.' or '..' segments)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 def _bundled_gguf() -> Path:
@@ -62,6 +67,18 @@ def bundled_target_dir() -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def hub_id(target: str, config: dict[str, Any]) -> str | None:
+    """The target's Hugging Face hub id where it is known: the bundled target's, else the `_name_or_path` its
+    config.json (`config`) records when that is an owner/name id; None otherwise (a path there would be the
+    machine's that saved the config)."""
+    if target == BUNDLED:
+        return BUNDLED_HUB_ID
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and _HUB_ID.fullmatch(name) and ".." not in name:
+        return name
+    return None
 
 
 def resolve_target(target: str) -> Path:

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 
-from services.trainer.data import BatchStream
+from services.trainer.data import total_steps
 from services.trainer.spec import CPU_PRESET, Spec as TrainSpec
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
@@ -108,10 +108,11 @@ def sample_tokens(max_tokens: int) -> float:
     return PROMPT_TOKENS + ANSWER_FILL * max_tokens
 
 
-def train_steps(prompts: int, max_tokens: int, epochs: float) -> int:
-    """The trainer's optimizer steps (services/trainer/train.py: prepare), for train samples of the planned length."""
+def train_steps(prompts: int, max_tokens: int, epochs: float, steps: int | None = None) -> int:
+    """The trainer's optimizer steps (services.trainer.data.total_steps), for train samples of the planned length;
+    `steps`, when given, as the trainer takes it."""
     lengths = [round(sample_tokens(max_tokens))] * max(1, round(TRAIN_SHARE * prompts))
-    return max(1, round(epochs * BatchStream(lengths, CPU_PRESET["batch_tokens"], seed=0).batches_per_epoch()))
+    return total_steps(lengths, CPU_PRESET["batch_tokens"], seed=0, epochs=epochs, steps=steps)
 
 
 def val_interval(steps: int) -> int:
@@ -173,7 +174,8 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     from eyas.drafter import Drafter, DrafterConfig
     from eyas.batching import Batch
     from eyas.ttt import label_rows, target_top, ttt_forward
-    from services.generator.engine import InProcessEngine, SamplingParams
+    from services.generator.engine import InProcessEngine
+    from services.generator.spec import SamplingParams
 
     engine = InProcessEngine(target_name, max_batch=batch)
     model = engine.target.model

@@ -77,7 +77,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
         print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
               "(the flags given)")
-    steps = args.train_steps or train_steps(num_prompts, max_tokens, plan.epochs)
+    steps = train_steps(num_prompts, max_tokens, plan.epochs, args.train_steps)
     train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs,
                    "val_interval": val_interval(steps)}
     if args.train_steps:

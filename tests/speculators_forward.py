@@ -2,10 +2,12 @@
 Eyas speculators/ export with the library's own `from_pretrained`, run its TTT forward on given features, and save
 the logits of every step.
 
-    python -P tests/speculators_forward.py EXPORT_DIR VERIFIER_DIR INPUTS.safetensors OUT.safetensors STEPS
+    python -P tests/speculators_forward.py EXPORT_DIR VERIFIER INPUTS.safetensors OUT.safetensors STEPS
 
-The export names no verifier path (it would be the training machine's); VERIFIER_DIR says where the target is here,
-as anyone loading the export elsewhere would.
+The export names no path of the training machine as its verifier: the target's hub id where one is known, else
+none. VERIFIER is where the target is here (a directory), as anyone loading an export that names none would say;
+`-` loads the verifier the export names, first with the library's plain `Eagle3DraftModel.from_pretrained(EXPORT_DIR)`
+(which must give the same weights), then as below.
 
 INPUTS holds `aux` [1, T, n_aux·H] (the target's aux states g_t) and `input_ids` [1, T] (x_{t+1}, the token beside
 g_t: the speculators data convention). OUT holds `logits_k` [1, T, Vd] per step k (captured at lm_head) and the
@@ -13,6 +15,7 @@ library's view of the config (`aux_ids`, the layer ids it resolved).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -22,10 +25,18 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 def main(export: str, verifier: str, inputs: str, out: str, steps: int) -> None:
     config = Eagle3SpeculatorConfig.from_pretrained(export)
-    assert config.speculators_config.verifier.name_or_path is None, "the export names a machine path"
-    config.speculators_config.verifier.name_or_path = verifier
+    named = config.speculators_config.verifier.name_or_path
+    assert named is None or not os.path.isabs(named), f"the export names a machine path: {named}"
+    if verifier == "-":
+        plain = Eagle3DraftModel.from_pretrained(export)  # its attention (flex) runs no forward on a CPU here
+    else:
+        config.speculators_config.verifier.name_or_path = verifier
     config.transformer_layer_config._attn_implementation = "eager"  # noqa: SLF001 (flex attention wants a GPU)
     model = Eagle3DraftModel.from_pretrained(export, config=config).eval()
+    if verifier == "-":
+        ours, theirs = model.state_dict(), plain.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert plain.config.eagle_aux_hidden_state_layer_ids == model.config.eagle_aux_hidden_state_layer_ids
     x = load_file(inputs)
     logits: list[torch.Tensor] = []
     model.lm_head.register_forward_hook(lambda _m, _i, o: logits.append(o.detach().clone()))

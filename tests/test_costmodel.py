@@ -74,7 +74,7 @@ def test_pays_at_every_concurrency_predicted():
 
 def test_speculative_config_is_what_vllm_takes():
     assert json.loads(speculative_config("/d/eagle", 4)) == {"method": "eagle3", "model": "/d/eagle",
-                                                           "num_speculative_tokens": 4}
+                                                             "num_speculative_tokens": 4}
 
 
 def test_k_chains_replay_run_lengths_round_by_round():

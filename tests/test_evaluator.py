@@ -153,8 +153,8 @@ def test_mis_wired_drafter_is_refused_before_any_report(pipeline, tmp_path):
     writer.commit(Manifest(**{**manifest.model_dump(), "files": {}}))
 
     with pytest.raises(Exception, match=r"off-by-one \(one layer deeper\): vllm would concatenate "
-                                         r"\['out\(2\)', 'out\(15\)', 'out\(27\)'\] but the drafter was trained on "
-                                         r"\['out\(1\)', 'out\(14\)', 'out\(26\)'\]"):
+                                        r"\['out\(2\)', 'out\(15\)', 'out\(27\)'\] but the drafter was trained on "
+                                        r"\['out\(1\)', 'out\(14\)', 'out\(26\)'\]"):
         emb.run_job("evaluate", {"drafter": str(dest), "num_prompts": 1, "max_new_tokens": 4})
     [job] = [j for j in emb.jobs.list() if j.stage == "evaluate" and j.state == "failed"]
     assert "WiringMismatch" in job.error

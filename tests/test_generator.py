@@ -113,7 +113,7 @@ def test_mix_quotas_keep_weights():
 def _generate(prompts: Path, out: Path, endpoint: str, **spec) -> dict:
     settings = Settings(workdir=out.parent / "work", input_roots=[prompts.parent])
     job = EmbeddedRunner(settings).run_job("generate", {"prompts": str(prompts), "endpoint": endpoint,
-                                                  "sampling": {"max_tokens": 12}, **spec}, output_dir=out)[0]
+                                                        "sampling": {"max_tokens": 12}, **spec}, output_dir=out)[0]
     return job.metrics
 
 

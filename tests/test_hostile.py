@@ -88,7 +88,7 @@ def _prompts(path: Path, text: str) -> Path:
 
 
 def test_hostile_requests_are_refused_and_nothing_leaves_the_roots(service_settings, api_process, worker_process,
-                                                                    tmp_path, endpoint):
+                                                                   tmp_path, endpoint):
     url, received = endpoint
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     good = _prompts(allowed / "prompts.jsonl", CONTROL)
@@ -228,7 +228,7 @@ def test_hostile_requests_are_refused_and_nothing_leaves_the_roots(service_setti
 
     # --- a job inside the rules runs and reaches the endpoint: the channel the refusals closed is real
     control = clients["generate"].post("/v1/jobs", json={"prompts": str(good), "endpoint": url, "held_out": None,
-                                                          "max_turns": 1, "sampling": {"max_tokens": 8}})
+                                                         "max_turns": 1, "sampling": {"max_tokens": 8}})
     assert control.status_code == 202, control.text
     # --- a record that reached the queue without the API: the worker checks its spec again and runs nothing
     jobs = RedisJobStore(service_settings.settings.redis_url)

@@ -13,7 +13,8 @@ from services.generator.gather import gather_prompts
 from services.generator.spec import Spec
 from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.neardup import NearDupIndex
-from services.generator.engine import Completion, InProcessEngine, SamplingParams
+from services.generator.engine import Completion, InProcessEngine
+from services.generator.spec import SamplingParams
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 from services.generator.task_mix import TASK_OPENERS, task_openers
 

@@ -21,7 +21,7 @@ from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest, read_manifest,
 from eyas.settings import Settings
 from eyas.stage import StageContext
 from eyas.store import Artifact, open_artifact
-from eyas.target import BUNDLED, load_target_head, load_tokenizer, tokenizer_hash
+from eyas.target import BUNDLED, BUNDLED_HUB_ID, load_target_head, load_tokenizer, tokenizer_hash
 from services.trainer import core
 from eyas.batching import collate, eval_plan
 from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
@@ -288,7 +288,7 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
     assert sc["proposal_methods"][0]["speculative_tokens"] == 2
-    assert sc["verifier"] == {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}  # no machine path
+    assert sc["verifier"] == {"name_or_path": BUNDLED_HUB_ID, "architectures": ["LlamaForCausalLM"]}  # no machine path
     assert scfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # default layers, vLLM numbering, written
     assert torch.equal(spec_t["embed_tokens.weight"], load_target_head(BUNDLED)[0])  # the target's
 
@@ -304,6 +304,13 @@ def test_exports_have_the_engine_layouts(trained, features, tmp_path):
             correct, count = correct + r.correct, count + r.count
     acc = (correct / count).tolist()
     assert acc == pytest.approx(read_manifest(art).metrics["val_acc"], abs=1e-6)
+
+
+def test_the_speculators_export_names_the_verifier_the_spec_gives(emb, features):
+    ctx = context(emb, "trn-verifier")
+    core.run(core.Spec(features=features, steps=1, val_interval=0, verifier="/srv/models/smollm2", **SMALL), ctx)
+    cfg = json.loads(ctx.output.get_bytes("speculators/config.json"))
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/srv/models/smollm2"
 
 
 def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):

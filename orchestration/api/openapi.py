@@ -4,6 +4,8 @@
     allow (`Policy.pattern`, the expression the check itself applies);
   - `then` is the stages after this one, in pipeline order, each a name or its `then` entry model
     (orchestration.registry.step_model: its spec without the input).
+It also says what a job's JSON artifacts hold (the evaluator's report: Stage.artifact_models): each model's schema
+under components, named by the job view's `artifacts` entry that points at the document.
 So a request the schema calls valid is one the service takes, and one it calls invalid is refused.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from fastapi import FastAPI
 
 from eyas.confine import SCHEMA_KEY, Names, Policy
 from eyas.settings import Settings
-from orchestration.registry import STAGE_ORDER, step_model
+from orchestration.registry import STAGE_ORDER, get_stage, step_model
 
 
 def _patterns(node: Any, policy: Policy) -> None:
@@ -48,6 +50,24 @@ def _then(schema: dict[str, Any], stage: str) -> None:
         then.update({"prefixItems": entries, "items": False})
 
 
+def _artifacts(schema: dict[str, Any], stage: str) -> None:
+    """The job view's `artifacts` (name → URI) names, for each JSON artifact of the stage, the model of the document
+    at that URI; the models' schemas go under components (a name another schema holds is an error)."""
+    models = get_stage(stage).artifact_models
+    if not models:
+        return
+    components = schema["components"]["schemas"]
+    documents = {}
+    for name, model in models.items():
+        entry = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+        for key, value in {**entry.pop("$defs", {}), model.__name__: entry}.items():
+            if components.setdefault(key, value) != value:
+                raise RuntimeError(f"the {stage} API schema has two schemas named {key}")
+        documents[name] = {"type": "string",
+                           "description": f"URI of a JSON document: #/components/schemas/{model.__name__}"}
+    components["JobView"]["properties"]["artifacts"]["properties"] = documents
+
+
 def documented(app: FastAPI, stage: str, settings: Settings) -> Callable[[], dict[str, Any]]:
     """A replacement for `app.openapi`: FastAPI's schema, completed as above (built once)."""
     plain = app.openapi
@@ -57,6 +77,7 @@ def documented(app: FastAPI, stage: str, settings: Settings) -> Callable[[], dic
         if app.openapi_schema is None:
             schema = plain()
             _then(schema, stage)
+            _artifacts(schema, stage)
             _patterns(schema, policy)
         return app.openapi_schema
 

@@ -45,7 +45,7 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
     @router.post("", status_code=202, response_model=Submitted,
                  responses={**errors, 413: {"model": Problems, "description": "the body is over max_request_bytes"},
                             503: {"model": Message,
-                                          "description": "the queue could not take the job (the job record says so)"}})
+                                  "description": "the queue could not take the job (the job record says so)"}})
     def submit_job(spec: Annotated[spec_cls, Body()], response: Response) -> Submitted:
         job_id = new_job_id(stage)
         try:

@@ -1,6 +1,8 @@
-"""The evaluation report: report.json (the contract other tools read) and report.html with PNG plots.
+"""The evaluation report's files: report.json (a services.evaluator.model.Report, the contract other tools read)
+and report.html with PNG plots, rendered from the report's JSON form.
 
-report.json keys (REQUIRED are always present; the others when measured):
+report.json keys (REQUIRED are in any report, the others in every report the evaluator writes, live when
+measured; the model documents each):
   target, layout, k, per_position_accuracy, acceptance_length, per_position_acceptance, exports   REQUIRED
   live            vLLM A/B: baseline / speculative tok/s, speed-up, τ and per-position acceptance from /metrics
   serve_with      the chat template kwargs (e.g. enable_thinking) the server must render prompts with
@@ -23,9 +25,12 @@ from typing import Any
 
 import matplotlib
 
+from services.evaluator.model import Report
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+# the core of any report, hand-written ones included (services.evaluator.model.Report has every key)
 REQUIRED = ("target", "layout", "k", "per_position_accuracy", "acceptance_length", "per_position_acceptance",
             "exports")
 
@@ -254,8 +259,11 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
     return "\n".join(parts)
 
 
-def build(report: dict[str, Any], history: dict[str, Any] | None) -> dict[str, bytes]:
-    """All report files by name: report.json, report.html and the PNGs it shows."""
+def build(report: Report | dict[str, Any], history: dict[str, Any] | None) -> dict[str, bytes]:
+    """All report files by name: report.json, report.html and the PNGs it shows; `report` is a Report or its JSON
+    form (what report.json holds)."""
+    if isinstance(report, Report):
+        report = report.model_dump(mode="json")
     missing = [k for k in REQUIRED if k not in report]
     if missing:
         raise ValueError(f"report lacks required fields {missing}")

@@ -7,7 +7,7 @@ request's first token to the first request's last; a request's seconds / tokens 
 b, i.e. one target forward over b tokens with a KV cache, as the server runs it (scheduler, sampler, streaming). Few points (b = 1, 2, 4, … 64) and short generations keep the
 whole measurement well under a minute on vLLM-CPU; the cost model interpolates between them.
 
-In-process (the embedded default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of
+In-process (the default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of
 CONTEXT tokens, and the drafter's step at batch b. The drafter always runs in-process: that is its cost on this
 machine, not inside the engine (the report says so). On a CPU both run on one thread, as vLLM-CPU runs its model
 on one core: on a shared CPU, several threads mostly measure contention (2 threads read 20–110 ms for a draft step

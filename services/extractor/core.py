@@ -4,7 +4,7 @@ Each conversation becomes one sample per group of assistant turns that share the
 (eyas.render: a template that drops earlier reasoning gives one sample per such turn), rendered with the chat
 template kwargs the dataset was generated with (recorded again in the features manifest). The policies that
 skip or truncate samples are in services.extractor.plan, the capture and the shard files in
-services.extractor.shards.
+services.extractor.shards, the job's spec in services.extractor.spec.
 
 Every GPU of the node works: a target that fits one GPU is extracted by one process per GPU under torchrun
 (`processes`; default one per visible GPU), each writing its share of the planned shards into the one artifact;
@@ -15,48 +15,29 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
 from tqdm import tqdm
 
-from eyas.confine import names
 from eyas.datasets import read_conversations
-from eyas.device import DTypeName, Placement, placement
+from eyas.device import Placement, placement
 from eyas.features import shard_name
 from eyas.ranks import run_ranks
 from eyas.layout import Layout, default_aux_layers
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.settings import Settings
-from eyas.stage import StageContext, StageResult, StageSpec
-from eyas.target import (BUNDLED, Target, config_hash, device_map, load_target, load_tokenizer, resolve_target,
+from eyas.stage import StageContext, StageResult
+from eyas.target import (Target, config_hash, device_map, load_target, load_tokenizer, resolve_target,
                          tokenizer_hash, weight_bytes)
 from services.extractor.plan import Plan, make_plan
 from services.extractor.shards import write_shards
+from services.extractor.spec import Spec
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "data"
 # stdout lines of the torchrun ranks (services.extractor.rank) that this process reads
 PROGRESS_TAG = "EYAS-EXTRACT-PROGRESS "  # + tokens a rank's forward passes just covered
 FILES_TAG = "EYAS-EXTRACT-FILES "  # + JSON {shard name: its manifest entry}, once a rank has uploaded its shards
-
-
-class Spec(StageSpec):
-    data: names("artifact") = Field(
-        description="conversations artifact URI (s3://bucket/datasets/ID) or local directory")
-    target: names("target", exact=(BUNDLED,)) = Field(
-        BUNDLED, description="target model: HF directory (under an input root) or the bundled name")
-    aux_layers: list[Annotated[int, Field(ge=-1, le=1023)]] | None = Field(
-        None, max_length=64, description="physical out(i) layers; default out(1), out(L//2-1), out(L-4)")
-    max_length: int = Field(2048, ge=16, le=131072)
-    overlong: Literal["truncate", "skip"] = "truncate"
-    batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per forward batch")
-    shard_mb: int = Field(256, ge=1, le=4096)
-    dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
-                             "CPU). Features are stored in bf16 either way")
-    processes: int | None = Field(None, ge=1, le=64, description="extractor processes under torchrun, one per GPU; "
-                                  "default: one per visible GPU when the target fits one, else 1")
 
 
 def layout_for(target: Target, aux_layers: list[int] | None) -> Layout:

@@ -19,8 +19,9 @@ from eyas.manifest import ArtifactWriter
 from eyas.settings import get_settings
 from eyas.store import open_artifact
 from eyas.target import load_target
-from services.extractor.core import FILES_TAG, PROGRESS_TAG, Spec, prepare
+from services.extractor.core import FILES_TAG, PROGRESS_TAG, prepare
 from services.extractor.shards import write_shards
+from services.extractor.spec import Spec
 
 
 def main(argv: list[str]) -> None:

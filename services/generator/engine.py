@@ -1,8 +1,8 @@
 """Chat engines behind one interface: `await engine.chat(messages, params) -> Completion`.
 
 HttpEngine talks to any OpenAI-compatible server (vLLM, SGLang). InProcessEngine drives a local transformers model
-(the embedded default: the SQLite of generation — convenient on one machine, never the production path); it
-batches concurrent requests into one `generate` call. Both produce identical Completion records.
+(the default without an endpoint: the SQLite of generation — convenient on one machine, never the production
+path); it batches concurrent requests into one `generate` call. Both produce identical Completion records.
 """
 from __future__ import annotations
 
@@ -14,26 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.render import render_prompt_text
-from eyas.stage import integral_floats
-
-
-class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    max_tokens: int = Field(512, ge=1, le=131072, description="most tokens generated per answer")
-    temperature: float = Field(0.0, ge=0.0, le=5.0, description="sampling temperature; 0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of tokens whose "
-                         "probabilities add up to this")
-    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampling seed, for reproducible answers")
-    chat_template_kwargs: dict[str, Any] = Field({}, max_length=64, description='passed to the chat template, as JSON, e.g. '
-                                                 '\'{"enable_thinking": true}\'')
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_numbers(cls, data: Any) -> Any:
-        return integral_floats(cls, data)
+from services.generator.spec import SamplingParams
 
 
 @dataclass

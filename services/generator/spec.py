@@ -1,16 +1,31 @@
-"""The generate job's spec: where prompts come from, the endpoint (or the in-process target), sampling, and how
-hard to push the endpoint."""
+"""The generate job's spec: where prompts come from, the endpoint (or the in-process target), sampling
+(SamplingParams, which the engines take per request too), and how hard to push the endpoint."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.prompts import BUNDLED_NAMES
-from eyas.stage import StageSpec
+from eyas.stage import StageSpec, integral_floats
 from eyas.target import BUNDLED
-from services.generator.engine import SamplingParams
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    max_tokens: int = Field(512, ge=1, le=131072, description="most tokens generated per answer")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of tokens whose "
+                         "probabilities add up to this")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampling seed, for reproducible answers")
+    chat_template_kwargs: dict[str, Any] = Field({}, max_length=64, description='passed to the chat template, as JSON, e.g. '
+                                                 '\'{"enable_thinking": true}\'')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: Any) -> Any:
+        return integral_floats(cls, data)
 
 
 class MixSource(BaseModel):
@@ -70,11 +85,11 @@ class Spec(StageSpec):
     max_attempts: int = Field(6, ge=1, le=100, description="tries per request before the dead-letter file")
     retry_wait_s: float = Field(0.5, gt=0, le=30, description="seconds before the first retry of a failed request, "
                                 "doubled with each try up to 30 s (a longer Retry-After from the server wins)")
-    request_timeout_s: float | None = Field(None, gt=0, le=86_400, description="seconds to wait for an answer (default: 30 "
-                                              "+ max_tokens / 2, a generation at 2 tokens/s)")
+    request_timeout_s: float | None = Field(None, gt=0, le=86_400, description="seconds to wait for an answer "
+                                            "(default: 30 + max_tokens / 2, a generation at 2 tokens/s)")
     checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part (resume granularity)")
-    max_workers: int = Field(8, ge=1, le=256, description="service mode: most generator workers that share this "
-                             "job (its own and the helpers it asks the generate queue for); 1 = its own only")
+    max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
+                             "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
 
     @model_validator(mode="after")
     def _has_source(self):

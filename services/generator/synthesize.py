@@ -21,7 +21,8 @@ import math
 from eyas.render import render_prompt_text
 from eyas.prompts import Prompt
 from eyas.neardup import NearDupIndex
-from services.generator.engine import Engine, SamplingParams
+from services.generator.engine import Engine
+from services.generator.spec import SamplingParams
 
 log = logging.getLogger(__name__)
 _SENTINEL = "\x00EYAS-USER-TURN\x00"

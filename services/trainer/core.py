@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eyas.exports import HISTORY, export_drafter
+from eyas.exports import HISTORY, export_drafter, speculators_verifier
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest
 from eyas.ranks import run_ranks
 from eyas.stage import StageContext, StageResult
@@ -56,6 +56,7 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
         "tokens_per_s": sum(e["tokens_per_s"] for e in timed) / len(timed),
         "train_samples": info["train_samples"], "val_samples": info["val_samples"],
         "vocab_coverage": info["vocab_coverage"],
+        "feature_windows": info.get("feature_windows", 1),  # windows of shards an epoch read through the cache
     }
     if val_h:
         metrics.update(val_loss=val_h[-1]["loss"], val_acc=val_h[-1]["acc"])
@@ -77,8 +78,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     target = spec.target or layout.target
     metrics = _summary(state["history"], state["info"])
     target_cfg = json.loads((resolve_target(target) / "config.json").read_text())
-    # no path: it would be this machine's, and the speculators library opens it (eyas_layout names the target)
-    verifier = {"name_or_path": None, "architectures": target_cfg.get("architectures", [])}
+    verifier = speculators_verifier(target, target_cfg, spec.verifier)
     weights["embed_tokens.weight"], _ = load_target_head(target)  # the speculators export carries it
 
     writer = ArtifactWriter(ctx.output)

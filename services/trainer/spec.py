@@ -16,6 +16,7 @@ from eyas.layout import Layout, check_layout
 from eyas.settings import Settings
 from eyas.stage import StageSpec
 from eyas.store import open_artifact
+from eyas.streaming import DEFAULT_CACHE_GB
 from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
 from services.trainer.vocab import DEFAULT_DRAFT_VOCAB
 
@@ -52,6 +53,9 @@ class Spec(StageSpec):
     warmup: int = Field(50, ge=0, le=100_000_000, description="linear warmup steps, then cosine decay to 0")
     batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step (all processes)")
     val_every: int = Field(10, ge=2, le=1_000_000, description="every Nth sample (i mod N = 0) is validation, the rest train")
+    cache_gb: float = Field(DEFAULT_CACHE_GB, gt=0, le=1_000_000, description="local disk for the features, read "
+                            "as a stream: each epoch visits the shards in windows of half this, shuffled (one window in "
+                            "artifact order when they all fit, fetched once); validation keeps up to a quarter in memory")
     val_interval: int = Field(100, ge=0, le=100_000_000, description="validate every N steps (0: only at the end)")
     checkpoint_every: int = Field(200, ge=1, le=100_000_000, description="checkpoint every N steps (and at the end)")
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -65,6 +69,12 @@ class Spec(StageSpec):
     activation_checkpointing: bool = Field(
         False, description="recompute each TTT step's draft-vocabulary logits in the backward pass instead of keeping "
         "them (ttt_steps × supervised tokens × Vd × 8 bytes less: for a large draft vocabulary)")
+    verifier: str | None = Field(
+        None, min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="written into the speculators export as speculators_config.verifier.name_or_path: the target "
+        "where the export will be loaded (a hub id, or a path there), which the speculators library opens (config "
+        "and weights); default: the target's hub id where known (the bundled target's, or an owner/name "
+        "_name_or_path in its config.json), else none")
 
     @model_validator(mode="after")
     def _one_fc_norm(self) -> Spec:

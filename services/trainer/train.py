@@ -7,7 +7,7 @@ whole global batch), so the all-reduced gradient is the single-process gradient 
 
 Checkpoints (services.trainer.checkpoint) let a resumed run continue exactly where it stopped.
 
-TrainingSetup under torchrun:  torchrun --nproc_per_node 2 -m services.trainer.train --spec SPEC.json --output URI
+Run under torchrun:  torchrun --nproc_per_node 2 -m services.trainer.train --spec SPEC.json --output URI
 """
 from __future__ import annotations
 
@@ -31,15 +31,16 @@ from eyas.batching import collate, eval_plan
 from eyas.device import placement
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
+from eyas.streaming import FeatureStream
 from eyas.layout import Layout
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.target import load_target_head, resolve_target
 from eyas.ttt import label_rows, target_top, ttt_forward
 from services.trainer.checkpoint import restore, resume_source, save_checkpoint
-from services.trainer.data import BatchStream, DataPosition, shard, split_samples
+from services.trainer.data import BatchStream, DataPosition, TrainData, scan_features, shard, total_steps
 from services.trainer.spec import Spec, open_features, resolve
-from services.trainer.vocab import coverage, select_vocab, token_counts
+from services.trainer.vocab import coverage, select_vocab
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ WEIGHT_DECAY = 0.0
 LOSS_DECAY = 0.8  # weight 0.8^k of TTT step k (EAGLE, SpecForge)
 PROGRESS_TAG = "EYAS-TRAIN-PROGRESS "  # a rank-0 stdout line a parent process turns into job progress
 # Spec fields a resumed run may change; every other field must equal the checkpoint's.
-RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing")
+RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier")
 
 Report = Callable[[int, int, dict[str, Any]], None]  # (step, total steps, metrics)
 
@@ -82,8 +83,7 @@ class TrainingSetup:
     """What the loop needs, built once from the spec and the features."""
 
     layout: Layout
-    train: list[Sample]
-    val: list[Sample]
+    data: TrainData  # the train samples (read through the bounded cache) and the validation samples
     drafter: Drafter
     target_lm_head: torch.Tensor
     vocab_coverage: float
@@ -114,35 +114,41 @@ def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: tor
 
 
 def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
-    train, val = split_samples(reader, spec.val_every)
-    if not train:
+    stream = FeatureStream(reader, int(spec.cache_gb * (1 << 30)))
+    data = scan_features(stream, spec.val_every, layout.vocab_size)
+    if not data.train:
         raise ValueError(f"features {spec.features}: no training samples (val_every={spec.val_every})")
+    if len(data.val) < data.val_total:
+        log.warning("validating on %d of %d validation samples (what fits a quarter of cache_gb=%g)",
+                    len(data.val), data.val_total, spec.cache_gb)
     target = spec.target or layout.target
     embed, head = load_target_head(target)
-    counts = token_counts(train, layout.vocab_size)
-    used = select_vocab(counts, spec.draft_vocab_size)
+    used = select_vocab(data.counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
     drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.norm_flags())
-    stream = BatchStream([s.input_ids.numel() for s in train], spec.batch_tokens, spec.seed)
-    total = spec.steps or max(1, round(spec.epochs * stream.batches_per_epoch()))
-    return TrainingSetup(layout=layout, train=train, val=val, drafter=drafter, target_lm_head=head,
-               vocab_coverage=coverage(counts, used), total_steps=total)
+    total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
+    return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
+                         vocab_coverage=coverage(data.counts, used), total_steps=total)
 
 
 class TargetTopCache:
-    """Full-vocabulary target argmax per sample, computed once on first use (it costs a V-wide matmul)."""
+    """Full-vocabulary target argmax per sample, computed once on first use (it costs a V-wide matmul) and kept
+    until `clear()` (when the samples it covers leave memory)."""
 
-    def __init__(self, samples: list[Sample], lm_head: torch.Tensor):
-        self.samples, self.lm_head = samples, lm_head
+    def __init__(self, sample: Callable[[int], Sample], lm_head: torch.Tensor):
+        self.sample, self.lm_head = sample, lm_head
         self.tops: dict[int, torch.Tensor] = {}
 
     def batch(self, indices: list[int], device):
         on = self.lm_head.device
-        for i in indices:
+        samples = [self.sample(i) for i in indices]
+        for i, s in zip(indices, samples, strict=True):
             if i not in self.tops:
-                s = self.samples[i]
                 self.tops[i] = target_top(s.final_hidden.to(on), self.lm_head, label_rows(s.loss_mask).to(on)).cpu()
-        return collate([self.samples[i] for i in indices], [self.tops[i] for i in indices]).to(device)
+        return collate(samples, [self.tops[i] for i in indices]).to(device)
+
+    def clear(self) -> None:
+        self.tops.clear()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -164,17 +170,17 @@ def _autocast(spec: Spec, device: torch.device):
 
 
 @torch.no_grad()
-def validate(spec: Spec, run: TrainingSetup, tops: TargetTopCache, device) -> dict[str, Any]:
+def validate(spec: Spec, setup: TrainingSetup, tops: TargetTopCache, device) -> dict[str, Any]:
     rank, world = _rank_world()
-    plan = eval_plan([s.input_ids.numel() for s in run.val], spec.batch_tokens)
+    plan = eval_plan([s.input_ids.numel() for s in setup.data.val], spec.batch_tokens)
     K = spec.ttt_steps
     stats = torch.zeros(2 + 3 * K, dtype=torch.float64)  # objective, denom, ce[K], correct[K], count[K]
-    run.drafter.eval()
+    setup.drafter.eval()
     for indices in plan[rank::world]:
         with _autocast(spec, device):
-            r = ttt_forward(run.drafter, tops.batch(indices, device), run.target_lm_head, K, LOSS_DECAY)
+            r = ttt_forward(setup.drafter, tops.batch(indices, device), setup.target_lm_head, K, LOSS_DECAY)
         stats += torch.cat([r.objective.reshape(1), r.denom.reshape(1), r.ce_sum, r.correct, r.count]).double().cpu()
-    run.drafter.train()
+    setup.drafter.train()
     stats = _all_sum(stats)
     denom, correct, count = stats[1].clamp(min=1), stats[2 + K: 2 + 2 * K], stats[2 + 2 * K:].clamp(min=1)
     return {"loss": float(stats[0] / denom), "acc": (correct / count).tolist()}
@@ -187,15 +193,17 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     device = placement(settings, spec.dtype).device  # this rank's GPU (LOCAL_RANK), or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    run = prepare(spec, layout, reader)
-    drafter = run.drafter.to(device)
-    head = run.target_lm_head.to(device)
+    setup = prepare(spec, layout, reader)
+    drafter = setup.drafter.to(device)
+    head = setup.target_lm_head.to(device)
     names = [n for n, p in drafter.named_parameters() if p.requires_grad]
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     fields = training_fields(spec)
-    info = {"total_steps": run.total_steps, "train_samples": len(run.train), "val_samples": len(run.val),
-            "vocab_coverage": run.vocab_coverage, "device": str(device), "processes": world}
+    data = setup.data
+    info = {"total_steps": setup.total_steps, "train_samples": len(data.train), "val_samples": len(data.val),
+            "vocab_coverage": setup.vocab_coverage, "device": str(device), "processes": world,
+            "feature_windows": len(data.stream.windows(spec.seed, 0))}
 
     step, position, history = 0, DataPosition(), {"train": [], "val": []}
     source = resume_source(spec, output, settings)
@@ -203,18 +211,25 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         step, position, history = restore(source, drafter, optimizer, names, fields)
         log.info("resuming from %s at step %d", source.uri, step)
 
-    tops_train, tops_val = TargetTopCache(run.train, head), TargetTopCache(run.val, head)
+    tops_train, tops_val = TargetTopCache(data.sample, head), TargetTopCache(data.val.__getitem__, head)
     if step == 0:  # where training starts from, for the record
-        history["val"].append({"step": 0, **validate(spec, run, tops_val, device)})
+        history["val"].append({"step": 0, **validate(spec, setup, tops_val, device)})
     model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    stream = BatchStream([s.input_ids.numel() for s in run.train], spec.batch_tokens, spec.seed, position)
-    total, K, start = run.total_steps, spec.ttt_steps, step
+    windows = data.windows(spec.seed)
+    stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, position, windows)
+    total, K, start = setup.total_steps, spec.ttt_steps, step
+    window = None
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=True if rank else None)
     while step < total:
         t0 = time.perf_counter()
         global_batch = stream.next()
+        if stream.window != window:  # the next window of shards: load it, fetch the one after meanwhile
+            window = stream.window
+            data.enter(spec.seed, *window)
+            if not data.stream.whole:
+                tops_train.clear()
         mine, real = shard(global_batch, rank, world)
         batch = tops_train.batch(mine, device)
         lr = lr_at(step, total, spec.warmup, spec.lr)
@@ -238,7 +253,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
                  "tokens_per_s": float(stats[-1]) / elapsed}
         history["train"].append(entry)
         if spec.val_interval and step % spec.val_interval == 0 or step == total:
-            history["val"].append({"step": step, **validate(spec, run, tops_val, device)})
+            history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
         if rank == 0 and (step % spec.checkpoint_every == 0 or step == total):
             save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
         bar.update(1)
