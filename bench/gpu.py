@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from mfu import peak_flops, train_flops
 
 from eyas.capture import capture
 from eyas.device import placement
@@ -37,7 +38,6 @@ from eyas.features import Sample
 from eyas.layout import Layout, default_aux_layers
 from eyas.settings import get_settings
 from eyas.target import Target
-from mfu import peak_flops, train_flops
 from services.evaluator.specdec import PromptIds, measure_acceptance
 from services.extractor.offload import Background, Ready, to_host
 from services.trainer.data import epoch_plan

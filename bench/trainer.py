@@ -26,23 +26,30 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mfu import peak_flops, train_flops
 
+from eyas.batching import Batch, collate
+from eyas.capture import capture
 from eyas.device import placement
 from eyas.drafter import Drafter, TTTCache
 from eyas.features import FeatureReader, Sample
+from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.render import render_conversation
 from eyas.settings import get_settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target, load_target_head
-from eyas.capture import capture
-from services.extractor.core import layout_for
-from eyas.prompts import bundled_prompt_file, load_prompts
-from eyas.batching import Batch, collate
-from services.trainer.data import epoch_plan
-from services.trainer.train import BETAS, LOSS_DECAY, MAX_GRAD_NORM, TargetTopCache, build_drafter, drafter_config
 from eyas.ttt import ttt_forward
+from services.extractor.core import layout_for
+from services.trainer.data import epoch_plan
+from services.trainer.train import (
+    BETAS,
+    LOSS_DECAY,
+    MAX_GRAD_NORM,
+    TargetTopCache,
+    build_drafter,
+    drafter_config,
+)
 from services.trainer.vocab import select_vocab, token_counts
-from mfu import peak_flops, train_flops
 
 
 def mtbench_samples(n: int) -> list[Sample]:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+
 class Limit(Protocol):
     maximum: int
     limit: float  # the latest known values (the shared state may have moved on since)

@@ -15,7 +15,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.layout import AUX_HIDDEN, FEATURE_TENSORS, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, OFFSETS, Layout, check_layout
+from eyas.layout import (
+    AUX_HIDDEN,
+    FEATURE_TENSORS,
+    FINAL_HIDDEN,
+    INPUT_IDS,
+    LOSS_MASK,
+    OFFSETS,
+    Layout,
+    check_layout,
+)
 from eyas.manifest import Manifest, fetch_verified, read_manifest
 from eyas.store import Artifact
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eyas.drafter import Drafter, TTTCache
 from eyas.batching import Batch
+from eyas.drafter import Drafter, TTTCache
 
 TOP_CHUNK = 1024  # rows of full-vocabulary target logits computed at once (V floats each)
 

@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from services.trainer.data import total_steps
-from services.trainer.spec import CPU_PRESET, Spec as TrainSpec
+from services.trainer.spec import CPU_PRESET
+from services.trainer.spec import Spec as TrainSpec
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
 # from `eyas run` job records: bench/README.md ("eyas run --minutes").
@@ -171,8 +172,8 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     """The four rates on this machine, in a few seconds, with the stages' own code paths where they have one."""
     import torch
 
-    from eyas.drafter import Drafter, DrafterConfig
     from eyas.batching import Batch
+    from eyas.drafter import Drafter, DrafterConfig
     from eyas.ttt import label_rows, target_top, ttt_forward
     from services.generator.engine import InProcessEngine
     from services.generator.spec import SamplingParams

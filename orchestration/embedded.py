@@ -14,11 +14,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from eyas.confine import Names, visit
-from orchestration.jobs import JobRecord, SqliteJobStore
-from orchestration.execution import execute, submit
-from orchestration.registry import get_stage, step_model
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, LocalStore
+from orchestration.execution import execute, submit
+from orchestration.jobs import JobRecord, SqliteJobStore
+from orchestration.registry import get_stage, step_model
 
 
 def command_line_settings(stage: str, spec: dict[str, Any], workdir: Path | None) -> Settings:

@@ -26,7 +26,17 @@ from eyas.settings import Settings
 from eyas.stage import Cancelled, StageContext
 from eyas.store import Artifact, ObjectStore
 from orchestration.coordination import Coordination, coordination_for
-from orchestration.jobs import TERMINAL, JobNotFound, JobRecord, JobStore, Progress, new_job_id, next_job_id, transition, update
+from orchestration.jobs import (
+    TERMINAL,
+    JobNotFound,
+    JobRecord,
+    JobStore,
+    Progress,
+    new_job_id,
+    next_job_id,
+    transition,
+    update,
+)
 from orchestration.registry import ARTIFACT_DIRS, STAGE_ORDER, get_stage, step_model
 
 log = logging.getLogger(__name__)

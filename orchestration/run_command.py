@@ -58,10 +58,17 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    from orchestration.budget import (
+        ANSWER_TOKENS,
+        DECODE_PROMPTS,
+        batches,
+        measure_rates,
+        plan_run,
+        rates_line,
+        train_steps,
+        val_interval,
+    )
     from orchestration.embedded import EmbeddedRunner, command_line_settings
-
-    from orchestration.budget import (ANSWER_TOKENS, DECODE_PROMPTS, batches, measure_rates, plan_run, rates_line,
-                                      train_steps, val_interval)
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import redis
 
-from orchestration.coordination import Coordination, coordination_for
-from orchestration.jobs import JobStore, RedisJobStore
-from orchestration.execution import Dispatch, execute
-from orchestration.lease import Leases
 from eyas.settings import Settings
 from eyas.store import ObjectStore, S3Store
+from orchestration.coordination import Coordination, coordination_for
+from orchestration.execution import Dispatch, execute
+from orchestration.jobs import JobStore, RedisJobStore
+from orchestration.lease import Leases
 
 log = logging.getLogger(__name__)
 

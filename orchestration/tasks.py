@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from celery.signals import worker_ready
 
+from eyas.settings import get_settings
 from orchestration.celery_app import ASSIST_TASK, TASK, make_celery
 from orchestration.execution import assist, execute
 from orchestration.jobs import IllegalTransition, JobNotFound
@@ -26,7 +27,6 @@ from orchestration.lease import job_lease
 from orchestration.registry import STAGE_ORDER, get_stage
 from orchestration.runtime import Runtime, service_runtime
 from orchestration.workshare import ChunkWork
-from eyas.settings import get_settings
 
 log = logging.getLogger(__name__)
 app = make_celery(get_settings())

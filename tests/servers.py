@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from services.evaluator.launch import root_cause, stop as stop_process
+from services.evaluator.launch import root_cause
+from services.evaluator.launch import stop as stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

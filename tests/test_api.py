@@ -10,11 +10,11 @@ import redis
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from orchestration.api.app import create_app
-from orchestration.jobs import RedisJobStore
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import S3Store, open_artifact
+from orchestration.api.app import create_app
+from orchestration.jobs import RedisJobStore
 from tests.conftest import ServiceEnv, wait_for_job
 from tests.servers import S3_SECRET, free_port
 

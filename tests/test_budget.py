@@ -7,8 +7,18 @@ import math
 
 import pytest
 
-from orchestration.budget import (EPOCHS, MAX_EPOCHS, VAL_PASSES, Rates, batches, plan_run, stage_seconds, train_steps,
-                                  val_interval, val_passes)
+from orchestration.budget import (
+    EPOCHS,
+    MAX_EPOCHS,
+    VAL_PASSES,
+    Rates,
+    batches,
+    plan_run,
+    stage_seconds,
+    train_steps,
+    val_interval,
+    val_passes,
+)
 from orchestration.run_command import apply_overrides
 
 # about what a quiet 2-core machine measures with the bundled target

@@ -24,8 +24,8 @@ from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.extractor.core import layout_for
 from services.trainer.train import drafter_config
 from tests.datasets import CONVERSATIONS, write_records
-from tests.test_evaluator import local_path as local
 from tests.families import FAMILIES, build_target
+from tests.test_evaluator import local_path as local
 from tests.virtual_device import VIRTUAL, DeviceMismatch, virtual_device
 
 

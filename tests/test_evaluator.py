@@ -11,16 +11,15 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 from eyas.exports import load_drafter
-from orchestration.embedded import EmbeddedRunner
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
+from orchestration.embedded import EmbeddedRunner
 from services.evaluator import report as reports
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
-
 
 PROMPTS = [
     "Write a short poem about the sea.",

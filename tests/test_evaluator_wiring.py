@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from eyas.drafter import Drafter
+from eyas.exports import export_drafter
 from eyas.layout import EMBED, Layout
 from eyas.target import BUNDLED, load_target
 from services.evaluator.wiring import WiringMismatch, check_wiring
 from services.extractor.core import layout_for
-from eyas.exports import export_drafter
 from services.trainer.train import drafter_config
 
 

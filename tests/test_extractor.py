@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from orchestration.embedded import EmbeddedRunner
+from eyas.capture import capture
 from eyas.features import FeatureReader
 from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout, LayoutMismatch, default_aux_layers
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
-from eyas.capture import capture
+from orchestration.embedded import EmbeddedRunner
 from services.extractor.core import layout_for
 from tests.datasets import write_dataset
 

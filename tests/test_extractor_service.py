@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from eyas.features import FeatureReader
-from orchestration.jobs import RedisJobStore
-from orchestration.execution import execute, submit
 from eyas.store import S3Store, open_artifact
+from orchestration.execution import execute, submit
+from orchestration.jobs import RedisJobStore
 from tests.datasets import write_dataset
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.embedded import EmbeddedRunner
-from eyas.settings import Settings
-from services.generator.gather import quotas
 from eyas.prompts import PromptFileError, load_prompts
+from eyas.settings import Settings
+from orchestration.embedded import EmbeddedRunner
+from services.generator.gather import quotas
 from tests.fault_proxy import FaultProxy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,8 +74,8 @@ def test_malformed_prompt_files_name_the_problem(tmp_path, content, needle):
 
 
 def test_oversized_prompt_file_refused_at_submit(tmp_path, monkeypatch):
-    from orchestration.execution import SpecError, validate_spec
     from eyas import prompts as prompt_files
+    from orchestration.execution import SpecError, validate_spec
 
     monkeypatch.setattr(prompt_files, "MAX_PROMPT_FILE_BYTES", 1 << 20)
     f = tmp_path / "big.jsonl"

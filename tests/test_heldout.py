@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 
 from eyas.manifest import ArtifactWriter, Manifest
+from eyas.prompts import bundled_prompt_file, load_prompts, spread_sample
 from eyas.settings import Settings
 from eyas.store import Artifact, LocalStore
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
-from eyas.prompts import bundled_prompt_file, load_prompts, spread_sample
 from tests.datasets import write_dataset
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from orchestration.celery_app import make_celery
 from eyas.settings import Settings
+from orchestration.celery_app import make_celery
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("eyas", "services", "bench") for p in (REPO / d).rglob("*.py")]

@@ -7,14 +7,13 @@ import random
 
 import pytest
 
+from eyas.neardup import NearDupIndex
+from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.settings import Settings
 from eyas.target import BUNDLED, load_tokenizer
-from services.generator.gather import gather_prompts
-from services.generator.spec import Spec
-from eyas.prompts import bundled_prompt_file, load_prompts
-from eyas.neardup import NearDupIndex
 from services.generator.engine import Completion, InProcessEngine
-from services.generator.spec import SamplingParams
+from services.generator.gather import gather_prompts
+from services.generator.spec import SamplingParams, Spec
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 from services.generator.task_mix import TASK_OPENERS, task_openers
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from services.generator.engine import HttpEngine
-from services.generator.spec import SamplingParams
 from eyas.coordination import LocalLimit
 from orchestration.shared_limit import SharedLimit
+from services.generator.engine import HttpEngine
 from services.generator.server_load import ServerLoad, parse_load
+from services.generator.spec import SamplingParams
 from services.generator.throttle import DECREASE, Throttle
 from tests.fake_llm import FakeLLM
 

@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eyas.batching import collate, eval_plan
 from eyas.drafter import NORM_FLAGS, Drafter, TTTCache
-from orchestration.embedded import EmbeddedRunner
+from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
 from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest, read_manifest, sha256_file
@@ -22,12 +23,11 @@ from eyas.settings import Settings
 from eyas.stage import StageContext
 from eyas.store import Artifact, open_artifact
 from eyas.target import BUNDLED, BUNDLED_HUB_ID, load_target_head, load_tokenizer, tokenizer_hash
+from eyas.ttt import label_rows, target_top, ttt_forward
+from orchestration.embedded import EmbeddedRunner
 from services.trainer import core
-from eyas.batching import collate, eval_plan
-from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
 from services.trainer.spec import Spec
 from services.trainer.train import drafter_config
-from eyas.ttt import label_rows, target_top, ttt_forward
 from services.trainer.vocab import select_vocab, token_counts
 
 # The bundled target's default layout (drafter_config reads only how many aux layers it has).

@@ -27,14 +27,14 @@ import httpx
 import pytest
 
 from eyas.exports import load_drafter
-from orchestration.embedded import EmbeddedRunner
 from eyas.layout import Layout
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
-from services.evaluator.live import timed_completions
+from orchestration.embedded import EmbeddedRunner
 from services.evaluator.chains import replay, run_lengths
+from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.servers import VLLM_PYTHON, vllm_server

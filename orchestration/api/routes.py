@@ -20,7 +20,15 @@ from eyas.stage import StageSpec
 from orchestration.api.deps import v1_dependencies
 from orchestration.api.schemas import JobView, Message, Problems, Submitted, links, problem, view
 from orchestration.execution import SpecError, submit
-from orchestration.jobs import AlreadyEnded, JobNotFound, JobRecord, State, new_job_id, request_cancel, transition
+from orchestration.jobs import (
+    AlreadyEnded,
+    JobNotFound,
+    JobRecord,
+    State,
+    new_job_id,
+    request_cancel,
+    transition,
+)
 from orchestration.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel
 
 from eyas.confine import masked
-
 from orchestration.jobs import JobRecord, State
 
 

@@ -44,10 +44,16 @@ from eyas.target import Target, load_target, resolve_target
 from eyas.ttt import ttt_forward
 from services.evaluator import costmodel, launch, serving
 from services.evaluator import report as reports
+from services.evaluator.chains import chain_acceptance, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.evaluator.live import live_ab
-from services.evaluator.chains import chain_acceptance, replay, run_lengths
-from services.evaluator.model import AcceptanceGap, PromptAcceptance, Report, SecondSetScored, SecondSetSkipped
+from services.evaluator.model import (
+    AcceptanceGap,
+    PromptAcceptance,
+    Report,
+    SecondSetScored,
+    SecondSetSkipped,
+)
 from services.evaluator.spec import Spec
 from services.evaluator.specdec import PromptIds, eval_prompts, greedy, measure_acceptance, stop_ids
 from services.evaluator.wiring import check_wiring

@@ -22,13 +22,21 @@ from tqdm import tqdm
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import shard_name
-from eyas.ranks import run_ranks
 from eyas.layout import Layout, default_aux_layers
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
+from eyas.ranks import run_ranks
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult
-from eyas.target import (Target, config_hash, device_map, load_target, load_tokenizer, resolve_target,
-                         tokenizer_hash, weight_bytes)
+from eyas.target import (
+    Target,
+    config_hash,
+    device_map,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+    tokenizer_hash,
+    weight_bytes,
+)
 from services.extractor.plan import Plan, make_plan
 from services.extractor.shards import write_shards
 from services.extractor.spec import Spec

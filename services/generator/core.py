@@ -26,8 +26,8 @@ from services.generator.gather import gather_prompts
 from services.generator.generate import Generator
 from services.generator.journal import Journal
 from services.generator.probe import check_endpoint
-from services.generator.spec import Spec
 from services.generator.server_load import ServerLoad
+from services.generator.spec import Spec
 from services.generator.throttle import Throttle
 
 log = logging.getLogger(__name__)

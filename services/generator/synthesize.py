@@ -18,9 +18,9 @@ import itertools
 import logging
 import math
 
-from eyas.render import render_prompt_text
-from eyas.prompts import Prompt
 from eyas.neardup import NearDupIndex
+from eyas.prompts import Prompt
+from eyas.render import render_prompt_text
 from services.generator.engine import Engine
 from services.generator.spec import SamplingParams
 

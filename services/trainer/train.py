@@ -31,10 +31,10 @@ from eyas.batching import collate, eval_plan
 from eyas.device import placement
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
-from eyas.streaming import FeatureStream
 from eyas.layout import Layout
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
+from eyas.streaming import FeatureStream
 from eyas.target import load_target_head, resolve_target
 from eyas.ttt import label_rows, target_top, ttt_forward
 from services.trainer.checkpoint import restore, resume_source, save_checkpoint
