@@ -36,14 +36,15 @@ def _memory_mib() -> dict[str, float]:
     return {k: int(status[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile")}
 
 
-def write_features(dest: Path, gib: float, hidden: int) -> tuple[int, int]:
-    """A features artifact of about `gib` GiB of random hidden states (bundled-target shapes by default)."""
+def write_features(dest: Path, gib: float, hidden: int, shard_bytes: int = 256 << 20) -> tuple[int, int]:
+    """A features artifact of about `gib` GiB of random hidden states (bundled-target shapes by default), in shards
+    of about `shard_bytes`."""
     layout = Layout(target="bench", target_config_hash="-", tokenizer_hash="-", num_layers=30, hidden_size=hidden,
                     vocab_size=49152, aux_layers=(1, 14, 26))
     per_token = 4 * hidden * 2  # three aux layers + the final hidden state, bf16
     samples = int(gib * (1 << 30) / (per_token * TOKENS_PER_SAMPLE))
     writer = ArtifactWriter(open_artifact(str(dest)))
-    buf, shards = ShardBuffer(), 0
+    buf, shards = ShardBuffer(max_bytes=shard_bytes), 0
     with tempfile.TemporaryDirectory() as tmp:
         def flush():
             nonlocal shards

@@ -133,17 +133,25 @@ class FeatureStream:
             self._loaded = {name: self.reader.load_shard(name) for name in window}
             self._window = window
 
-    def scan(self) -> Iterator[tuple[int, Sample]]:
+    def scan_windows(self) -> Iterator[list[tuple[int, Sample]]]:
+        """Every sample once, in artifact order (its index is the one eyas.features.is_validation splits on), a
+        window at a time: the samples of one window are views into its loaded shards, valid until the next."""
         windows = shard_windows(self.sizes, self.cache_bytes, None)
         index, self._starts = 0, []
         for w, window in enumerate(windows):
             self._load(window, windows[w + 1] if w + 1 < len(windows) else [])
+            samples = []
             for name in window:
                 self._starts.append(index)
                 self._start_of[name] = index
                 for sample in shard_samples(self._loaded[name]):
-                    yield index, sample
+                    samples.append((index, sample))
                     index += 1
+            yield samples
+
+    def scan(self) -> Iterator[tuple[int, Sample]]:
+        for window in self.scan_windows():
+            yield from window
 
     def windows(self, seed: int, epoch: int) -> list[list[str]]:
         return shard_windows(self.sizes, self.cache_bytes, seed, epoch)

@@ -64,6 +64,20 @@ VLLM_LIMITS = {"gpt-oss": {"forward": "greedy output differs from transformers'"
                            "chat": "Token id 200008 is out of vocabulary"}}
 
 
+
+def assert_same_ttt_logits(drafter, aux: torch.Tensor, shifted: list[torch.Tensor], theirs: dict, tol: float) -> None:
+    """Eyas's drafter gives the speculators library's TTT logits (`theirs`: logits_k per step k) at every step, on
+    the rows whose token lies inside the sequence: the same argmax, and values within `tol`."""
+    T = aux.shape[1]
+    with torch.no_grad():
+        hidden, cache, positions = drafter.project(aux), TTTCache(), torch.arange(T)[None]
+        for k in range(len(shifted)):
+            hidden = drafter.step(shifted[k], hidden, positions + k, cache)
+            n = T - 1 - k
+            ours, lib = drafter.logits(hidden)[:, :n], theirs[f"logits_{k}"][:, :n]
+            assert torch.equal(ours.argmax(-1), lib.argmax(-1)), k
+            assert torch.allclose(ours, lib, atol=tol, rtol=tol), (k, float((ours - lib).abs().max()))
+
 def write_prompts(path: Path) -> Path:
     """MT-bench-format prompts: the first three with a follow-up turn, so that multi-turn rendering runs."""
     follow_ups = ["Now say it in one sentence.", "Give an example.", "Why?"]
@@ -151,7 +165,6 @@ def test_speculators_library_loads_the_export_and_its_forward_equals_ours(pipeli
     drafter, _ = load_drafter(export, target.model.get_input_embeddings().weight.detach())
     sample = next(FeatureReader(open_artifact(pipeline["jobs"]["extract"].artifacts["output"])).samples())
     ids, aux = sample.input_ids, sample.aux_hidden.float()[None]  # [T], [1, T, n_aux·H]
-    T = len(ids)
     shifted = [torch.cat([ids[1 + k:], ids.new_zeros(1 + k)])[None] for k in range(K)]  # x_{t+1+k} beside g_t
     save_file({"aux": aux, "input_ids": shifted[0]}, str(tmp_path / "in.safetensors"))
     # -P: not the script's folder on sys.path (tests/datasets.py would shadow the `datasets` package)
@@ -161,14 +174,7 @@ def test_speculators_library_loads_the_export_and_its_forward_equals_ours(pipeli
     theirs = load_file(str(tmp_path / "out.safetensors"))
     layout = Layout.from_dict(read_manifest(open_artifact(uri), kind="drafter").layout)
     assert theirs["aux_ids"].tolist() == list(layout.vllm_ids)
-    with torch.no_grad():
-        hidden, cache, positions = drafter.project(aux), TTTCache(), torch.arange(T)[None]
-        for k in range(K):
-            hidden = drafter.step(shifted[k], hidden, positions + k, cache)
-            n = T - 1 - k  # rows whose token lies inside the sample
-            ours, lib = drafter.logits(hidden)[:, :n], theirs[f"logits_{k}"][:, :n]
-            assert torch.equal(ours.argmax(-1), lib.argmax(-1)), k
-            assert torch.allclose(ours, lib, atol=1e-4, rtol=1e-4), (k, float((ours - lib).abs().max()))
+    assert_same_ttt_logits(drafter, aux, shifted, theirs, tol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.drafter import Drafter, DrafterConfig, TTTCache
+from eyas.drafter import Drafter, DrafterConfig
 from eyas.exports import SPECULATORS_DIR, export_drafter, load_drafter, speculators_verifier
 from eyas.layout import Layout, default_aux_layers
 from eyas.target import BUNDLED, BUNDLED_HUB_ID
 from services.trainer.spec import Spec
 from tests.servers import REPO, VLLM_PYTHON
+from tests.test_families import assert_same_ttt_logits
 
 HUB_ID = "eyas-tests/tiny-llama"
 K = 3
@@ -96,11 +97,4 @@ def test_speculators_loads_the_export_offline_by_its_verifier_name(tmp_path):
     assert theirs["aux_ids"].tolist() == layout.vllm_ids
 
     ours_drafter, _ = load_drafter(export, embed)  # THE loader, as the evaluator reads the export
-    with torch.no_grad():
-        hidden, cache, positions = ours_drafter.project(aux), TTTCache(), torch.arange(T)[None]
-        for k in range(K):
-            hidden = ours_drafter.step(shifted[k], hidden, positions + k, cache)
-            n = T - 1 - k  # rows whose token lies inside the sequence
-            ours, lib = ours_drafter.logits(hidden)[:, :n], theirs[f"logits_{k}"][:, :n]
-            assert torch.equal(ours.argmax(-1), lib.argmax(-1)), k
-            assert torch.allclose(ours, lib, atol=1e-5, rtol=1e-5), (k, float((ours - lib).abs().max()))
+    assert_same_ttt_logits(ours_drafter, aux, shifted, theirs, tol=1e-5)

@@ -40,6 +40,7 @@ from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest, fetch_verified
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
+from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
 from eyas.ttt import ttt_forward
 from services.evaluator import costmodel, launch, serving
@@ -141,19 +142,22 @@ def _gap(accuracy: list[float], measured: list[float | None], k: int) -> Accepta
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, reader: FeatureReader, val_every: int | None,
+def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
                             steps: int, batch_tokens: int) -> tuple[list[float], int]:
-    """Per-TTT-step accuracy over the samples (validation split when val_every is set); returns (acc, samples)."""
-    samples = [s for i, s in enumerate(reader.samples()) if val_every is None or is_validation(i, val_every)]
-    if not samples:
+    """Per-TTT-step accuracy over the samples (validation split when val_every is set), read a window of shards
+    at a time through the stream's bounded cache; returns (acc, samples)."""
+    correct, count, seen = torch.zeros(steps), torch.zeros(steps), 0
+    for window in stream.scan_windows():
+        samples = [s for i, s in window if val_every is None or is_validation(i, val_every)]
+        for idx in eval_plan([s.input_ids.numel() for s in samples], batch_tokens):
+            res = ttt_forward(drafter, collate([samples[i] for i in idx]), lm_head, steps)
+            correct += res.correct.cpu()
+            count += res.count.cpu()
+        seen += len(samples)
+    stream.close()
+    if not seen:
         return [], 0
-    correct = torch.zeros(steps)
-    count = torch.zeros(steps)
-    for idx in eval_plan([s.input_ids.numel() for s in samples], batch_tokens):
-        res = ttt_forward(drafter, collate([samples[i] for i in idx]), lm_head, steps)
-        correct += res.correct.cpu()
-        count += res.count.cpu()
-    return (correct / count.clamp(min=1)).tolist(), len(samples)
+    return (correct / count.clamp(min=1)).tolist(), seen
 
 
 def _fetch_drafter(uri: str, dest: Path, settings: Settings) -> Manifest:
@@ -220,9 +224,10 @@ def _accuracy(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter)
     per_step, samples = [], 0
     if features_uri:
         reader = FeatureReader(open_artifact(features_uri, ctx.settings), expected=subject.layout)
+        stream = FeatureStream(reader, int(spec.cache_gb * (1 << 30)))
         val_every = None if spec.features else subject.facts.val_every
         per_step, samples = teacher_forced_accuracy(
-            drafter, subject.target.model.get_output_embeddings().weight.detach(), reader, val_every, steps,
+            drafter, subject.target.model.get_output_embeddings().weight.detach(), stream, val_every, steps,
             spec.batch_tokens)
     ctx.metrics.update(per_position_accuracy=per_step)
     return Accuracy(per_step, samples, features_uri, steps)

@@ -165,7 +165,7 @@ class Compute(_Model):
     dtype: str
 
 
-class LiveRun(_Model):
+class _Completions(_Model):
     """Greedy completions of the prompts on one vLLM endpoint."""
     url: str
     model: str
@@ -173,17 +173,15 @@ class LiveRun(_Model):
     seconds: float
     tok_s: float
     concurrency: int
+
+
+class LiveRun(_Completions):
+    """Greedy completions of the prompts on one vLLM endpoint."""
     matches_in_process_greedy: bool
 
 
-class LiveSpeculativeRun(_Model):
+class LiveSpeculativeRun(_Completions):
     """The run on the speculative endpoint, with its spec-decode counters over exactly this run (/metrics)."""
-    url: str
-    model: str
-    tokens: int
-    seconds: float
-    tok_s: float
-    concurrency: int
     drafts: int
     draft_tokens: int
     accepted: int

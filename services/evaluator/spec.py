@@ -10,6 +10,7 @@ from eyas.confine import names
 from eyas.device import DTypeName
 from eyas.prompts import BUNDLED_NAMES
 from eyas.stage import StageSpec
+from eyas.streaming import DEFAULT_CACHE_GB
 from eyas.target import BUNDLED
 
 
@@ -38,6 +39,8 @@ class Spec(StageSpec):
     features: names("artifact") | None = Field(
         None, description="features URI for accuracy (all samples); default: the drafter's own features, "
         "validation split")
+    cache_gb: float = Field(DEFAULT_CACHE_GB, gt=0, le=1_000_000, description="local disk for the features the "
+                            "accuracy reads, a window of shards at a time (the trainer's cache_gb)")
     batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per accuracy batch")
     engines: list[Literal["vllm", "sglang"]] = Field(["vllm", "sglang"], max_length=2,
                                                      description="engines the wiring must fit")
