@@ -81,11 +81,10 @@ class Names:
         return schema
 
 
-def names(what: Literal["prompts", "artifact", "target", "endpoint"], s3: bool = True,
-          exact: tuple[str, ...] = ()) -> Any:
+def names(what: Literal["prompts", "artifact", "target", "endpoint"], exact: tuple[str, ...] = ()) -> Any:
     """The type of a field that names a file, object or URL: a string of at most MAX_NAME characters, checked
-    by `check_spec` against the settings of the process that takes or runs the job."""
-    return Annotated[str, StringConstraints(max_length=MAX_NAME), Names(what, s3 and what != "target", exact)]
+    by `check_spec` against the settings of the process that takes or runs the job (a target is never in S3)."""
+    return Annotated[str, StringConstraints(max_length=MAX_NAME), Names(what, what != "target", exact)]
 
 
 def _esc(text: str) -> str:

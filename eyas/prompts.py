@@ -11,9 +11,13 @@ import hashlib
 import json
 import os
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eyas.settings import Settings
 
 MAX_PROMPT_FILE_BYTES = 512 << 20
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -185,10 +189,23 @@ def spread_sample(prompts: list[Prompt], n: int | None) -> list[Prompt]:
     return [distinct[i * len(distinct) // n] for i in range(n)]
 
 
-def load_eval_prompts(source: str, n: int | None) -> list[Prompt]:
-    """The prompts an evaluation scores from `source` (a file or bundled:NAME): the evaluator decodes them and its
-    held-out check compares them with the training data, so both take them from here."""
-    return spread_sample(load_prompts(resolve_prompt_file(source)), n)
+def load_prompt_source(source: str, settings: Settings | None = None) -> list[Prompt]:
+    """The prompts of a source a spec names: a file, bundled:NAME, or an s3:// object (read with `settings`, under
+    its own file name: prompt ids derive from it and must not change between runs)."""
+    if source.startswith("s3://"):
+        from eyas.store import open_artifact  # (the store's confinement reads this module)
+
+        bucket_uri, _, name = source.rpartition("/")
+        with tempfile.TemporaryDirectory(prefix="eyas-prompts-") as tmp:
+            open_artifact(bucket_uri, settings).get_file(name, Path(tmp) / name)
+            return load_prompts(Path(tmp) / name)
+    return load_prompts(resolve_prompt_file(source))
+
+
+def load_eval_prompts(source: str, n: int | None, settings: Settings | None = None) -> list[Prompt]:
+    """The prompts an evaluation scores from `source` (a file, bundled:NAME or an s3:// object): the evaluator
+    decodes them and its held-out check compares them with the training data, so both take them from here."""
+    return spread_sample(load_prompt_source(source, settings), n)
 
 
 BUNDLED_PROMPTS = ("sharegpt", "mt_bench")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +147,10 @@ def _job_reporter(jobs: JobStore, job_id: str):
     return report
 
 
+def this_worker() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
             output: Artifact | None = None, coordination: Coordination | None = None) -> JobRecord:
     job = jobs.get(job_id)
@@ -154,7 +160,7 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
     if job.cancel_requested:
         return transition(jobs, job_id, "cancelled")
     stage = get_stage(job.stage)
-    job = transition(jobs, job_id, "running", attempts=job.attempts + 1)
+    job = transition(jobs, job_id, "running", attempts=job.attempts + 1, worker=this_worker())
     output = output or job_output(store, job)
     coordination = coordination or coordination_for(settings)
     ctx = StageContext(job_id=job_id, settings=settings, store=store, output=output,

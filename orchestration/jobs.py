@@ -55,6 +55,7 @@ class JobRecord(BaseModel):
     next_job: str | None = None  # the job enqueued after this one succeeded
     cancel_requested: bool = False
     attempts: int = 0
+    worker: str | None = None  # the process that runs it, or ran it last (host:pid)
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
 

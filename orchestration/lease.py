@@ -68,6 +68,10 @@ class Leases:
                 self._renewer.start()
         return lease
 
+    def held(self, name: str) -> bool:
+        """Whether anyone (any process) holds the lease `name` now."""
+        return bool(self.client.exists(name))
+
     def _drop(self, lease: Lease) -> None:
         with self._mutex:
             if self._held.get(lease.name) is lease:

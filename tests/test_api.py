@@ -11,10 +11,13 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from eyas.manifest import read_manifest
+from eyas.prompts import load_eval_prompts
 from eyas.settings import Settings
 from eyas.store import S3Store, open_artifact
 from orchestration.api.app import create_app
-from orchestration.jobs import RedisJobStore
+from orchestration.execution import validate_spec
+from orchestration.jobs import JobRecord, RedisJobStore, transition
+from orchestration.lease import Leases, job_lease
 from tests.conftest import ServiceEnv, wait_for_job
 from tests.servers import S3_SECRET, free_port
 
@@ -214,6 +217,49 @@ def test_every_number_has_a_documented_bound(stage: str):
     models = [schema, *schema.get("$defs", {}).values()]  # their fields (not the rules across them)
     found = [n for m in models for n in numbers(m["properties"], m.get("title", ""))]
     assert found and [w for w, n in found if "maximum" not in n and "exclusiveMaximum" not in n] == []
+
+
+def test_repeated_query_parameters_are_all_read_and_deep_bodies_are_named(service_client: TestClient,
+                                                                          service_settings: ServiceEnv,
+                                                                          prompts_file: Path):
+    r = service_client.get("/v1/jobs?state=bogus&state=queued")  # every value is validated, not only the last
+    assert r.status_code == 422 and [(p["field"], p["value"]) for p in r.json()["detail"]] == [("state", "bogus")]
+    r = service_client.get("/v1/jobs?limit=5&limit=6")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "limit"
+    assert r.json()["detail"][0]["message"] == "give limit once"
+    queued = service_client.post("/v1/jobs", json={"prompts": str(prompts_file)}).json()["id"]
+    assert [j["id"] for j in service_client.get("/v1/jobs?state=running&state=queued").json()] == [queued]
+    assert service_client.get("/v1/jobs?state=running").json() == []
+    deep = b'{"prompts": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = service_client.post("/v1/jobs", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "body"
+    assert "nests deeper" in r.json()["detail"][0]["message"], r.text
+
+
+def test_evaluate_reads_prompt_files_from_the_bucket(service_settings: ServiceEnv, prompts_file: Path):
+    store = S3Store(service_settings.settings)
+    store.ensure_bucket()
+    store.put_file("inputs/eval.jsonl", prompts_file)
+    uri = store.uri("inputs/eval.jsonl")
+    spec = validate_spec("evaluate", {"drafter": store.uri("drafters/x"), "prompts": uri, "second_prompts": uri},
+                         service_settings.settings)
+    assert spec.prompts == uri
+    prompts = load_eval_prompts(uri, 2, service_settings.settings)
+    assert [p.user_turns for p in prompts] == [p.user_turns for p in load_eval_prompts(str(prompts_file), 2)]
+
+
+def test_a_running_jobs_worker_is_named_and_an_orphan_is_marked(service_client: TestClient,
+                                                                service_settings: ServiceEnv):
+    jobs = RedisJobStore(service_settings.settings.redis_url)
+    jobs.put(JobRecord(id="gen-orphan1", stage="generate", spec={}))
+    assert service_client.get("/v1/jobs/gen-orphan1").json()["liveness"] is None  # queued: nobody holds it yet
+    transition(jobs, "gen-orphan1", "running", attempts=1, worker="node-3:4242")
+    job = service_client.get("/v1/jobs/gen-orphan1").json()
+    assert (job["worker"], job["liveness"]) == ("node-3:4242", "orphaned")  # nobody renews its lease
+    lease = Leases(redis.Redis.from_url(service_settings.settings.redis_url), 30).try_hold(job_lease("gen-orphan1"))
+    assert service_client.get("/v1/jobs/gen-orphan1").json()["liveness"] == "alive"
+    assert [j["liveness"] for j in service_client.get("/v1/jobs?state=running").json()] == ["alive"]
+    lease.release()
 
 
 def test_unknown_query_parameters_are_named(service_client: TestClient):

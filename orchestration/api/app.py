@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 MAX_PROBLEMS = 20  # named in one 422
 
 
+def _unparsable(cause: BaseException | None) -> dict:
+    if isinstance(cause, RecursionError):
+        return problem("body", "<nested too deeply>", "the JSON nests deeper than a job spec may (arrays and "
+                       "objects inside each other, hundreds of levels)")
+    if isinstance(cause, UnicodeDecodeError):
+        return problem("body", "<undecodable bytes>", "the body is not UTF-8 JSON text")
+    return problem("body", "<unparsable>", f"the body could not be parsed ({type(cause).__name__})")
+
+
 def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     spec_cls = get_stage(stage).spec_cls
@@ -80,7 +89,9 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
                 error = (err.get("ctx") or {}).get("error", "")
                 problems.append(problem("body", f"<not JSON at character {loc[-1]}>", f"invalid JSON: {error}"))
                 continue
-            if loc and loc[0] in ("body", "query", "path"):
+            if loc and loc[0] == "query":  # the parameter, whichever of its repeated values is wrong
+                loc = loc[1:2]
+            elif loc and loc[0] in ("body", "path"):
                 loc = loc[1:]
             problems.append(problem(".".join(loc) or "body", err.get("input"), err.get("msg", "invalid")))
         if len(errors) > MAX_PROBLEMS:
@@ -92,9 +103,9 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's answer to a body it cannot decode (not UTF-8): a 422 naming the body, like any bad JSON
-            return JSONResponse(status_code=422, content={"detail": [problem(
-                "body", "<undecodable bytes>", "the body is not UTF-8 JSON text")]})
+            # FastAPI's answer to a body its parser raised on (the parser's exception is the cause): a 422 naming
+            # the body and what is wrong with it, like any bad JSON
+            return JSONResponse(status_code=422, content={"detail": [_unparsable(exc.__cause__)]})
         return await http_exception_handler(request, exc)
 
     app.include_router(job_routes(stage, spec_cls, runtime, settings, rejected))

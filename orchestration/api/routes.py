@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Body, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Body, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
@@ -29,6 +29,7 @@ from orchestration.jobs import (
     request_cancel,
     transition,
 )
+from orchestration.lease import job_lease
 from orchestration.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
         errors |= {401: {"model": Message, "description": "no API key"},
                    403: {"model": Message, "description": "wrong API key"}}
     missing = {404: {"model": Problems, "description": "no such job"}}
+    # whether a running job's worker still holds its lease (service mode: orchestration.lease)
+    alive = None if runtime.leases is None else (lambda job_id: runtime.leases.held(job_lease(job_id)))
 
     def get_job(job_id: str) -> JobRecord:
         try:
@@ -74,19 +77,25 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
 
     @router.get("/{job_id}", response_model=JobView, responses={**errors, **missing})
     def read_job(job_id: JobId) -> JobView:
-        return view(get_job(job_id))
+        return view(get_job(job_id), alive)
 
     @router.get("", response_model=list[JobView], responses=errors)
-    def list_jobs(state: Annotated[State | None, Query()] = None,
-                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobView]:
-        return [view(j) for j in runtime.jobs.list(stage=stage, limit=limit, state=state)]
+    def list_jobs(request: Request,
+                  state: Annotated[list[State] | None, Query(description="only jobs in these states (repeat it: "
+                                                                         "?state=queued&state=running)")] = None,
+                  limit: Annotated[int, Query(ge=1, le=1000, description="at most this many, newest first")] = 100,
+                  ) -> list[JobView]:
+        if len(given := request.query_params.getlist("limit")) > 1:  # one value a field, not the last one silently
+            raise HTTPException(422, [problem("limit", given, "give limit once")])
+        jobs = [j for s in dict.fromkeys(state or [None]) for j in runtime.jobs.list(stage=stage, limit=limit, state=s)]
+        return [view(j, alive) for j in sorted(jobs, key=lambda j: j.created_at, reverse=True)[:limit]]
 
     @router.post("/{job_id}/cancel", status_code=202, response_model=JobView,
                  responses={**errors, **missing, 409: {"model": Problems, "description": "the job has already ended"}})
     def cancel_job(job_id: JobId) -> JobView:
         job = get_job(job_id)
         try:
-            return view(request_cancel(runtime.jobs, job_id))
+            return view(request_cancel(runtime.jobs, job_id), alive)
         except AlreadyEnded:
             raise HTTPException(409, [problem("state", get_job(job_id).state,
                                               f"job {job.id} has already ended")]) from None

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel
@@ -20,6 +21,9 @@ class Submitted(BaseModel):
 
 class JobView(JobRecord):
     links: dict[str, str]
+    # a running job's holder: alive (its worker renews the job's lease) or orphaned (the lease lapsed: its worker
+    # stopped, and a worker's sweep sends it to the queue again); null where not running or not known (embedded)
+    liveness: Literal["alive", "orphaned"] | None = None
 
 
 class Problem(BaseModel):
@@ -46,8 +50,12 @@ def links(job: JobRecord) -> dict[str, str]:
     return out
 
 
-def view(job: JobRecord) -> JobView:
-    return JobView(**job.model_dump(), links=links(job))
+def view(job: JobRecord, alive: Callable[[str], bool] | None = None) -> JobView:
+    """The API's view of a job; `alive(job_id)` says whether a running job's holder is alive, where known."""
+    liveness = None
+    if job.state == "running" and alive is not None:
+        liveness = "alive" if alive(job.id) else "orphaned"
+    return JobView(**job.model_dump(), links=links(job), liveness=liveness)
 
 
 ECHO_CHARS = 256  # of the value a 4xx repeats back (the body it came in may be up to a MiB)

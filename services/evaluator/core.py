@@ -233,10 +233,10 @@ def _accuracy(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter)
     return Accuracy(per_step, samples, features_uri, steps)
 
 
-def _acceptance(spec: Spec, subject: Subject, drafter: Drafter) -> Replayed:
+def _acceptance(spec: Spec, settings: Settings, subject: Subject, drafter: Drafter) -> Replayed:
     """Step 3: the target's greedy output on the prompts, replayed as K-chains for every K ≤ K_max."""
     prompts = eval_prompts(subject.target.tokenizer, spec.prompts, spec.num_prompts,
-                           subject.facts.chat_template_kwargs)
+                           subject.facts.chat_template_kwargs, settings)
     return _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k)
 
 
@@ -285,7 +285,7 @@ def _second_set(spec: Spec, settings: Settings, subject: Subject,
     except TrainedOnEvalPrompts as e:
         return SecondSetSkipped(source=spec.second_prompts, skipped=str(e))
     prompts = eval_prompts(subject.target.tokenizer, spec.second_prompts, spec.second_num_prompts,
-                           subject.facts.chat_template_kwargs)
+                           subject.facts.chat_template_kwargs, settings)
     scored = _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k).per_k[spec.k]
     return SecondSetScored(source=spec.second_prompts, count=len(prompts),
                            acceptance_length=scored["acceptance_length"],
@@ -406,7 +406,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         drafter = _load_drafter(subject)
         _held_out(spec, ctx, subject)
         accuracy = _accuracy(spec, ctx, subject, drafter)
-        replayed = _acceptance(spec, subject, drafter)
+        replayed = _acceptance(spec, ctx.settings, subject, drafter)
         decoded = _decoding(spec, ctx, subject, drafter, replayed)
         live = _live(spec, ctx, replayed)
         second = _second_set(spec, ctx.settings, subject, drafter)

@@ -28,7 +28,7 @@ def check_held_out(eval_source: str, limit: int | None, features_uri: str | None
     if not features_uri:
         return 0
     trained = NearDupIndex(features_user_turns(features_uri, settings))
-    prompts = load_eval_prompts(eval_source, limit)
+    prompts = load_eval_prompts(eval_source, limit, settings)
     hits = [(p.id, hit) for p in prompts if (hit := trained.find(p.user_turns[0])) is not None]
     if hits:
         pid, text = hits[0]

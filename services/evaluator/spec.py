@@ -19,13 +19,13 @@ class Spec(StageSpec):
     target: names("target", exact=(BUNDLED,)) = Field(
         BUNDLED, description="target model: HF directory (under an input root) or the bundled name")
     k: int = Field(3, ge=1, le=16, description="draft tokens per target forward (chain)")
-    prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) = Field(
-        "bundled:mt_bench", description="prompts to decode (first user turns): a prompt file or bundled:NAME; "
-        "MT-bench is held out from training")
+    prompts: names("prompts", exact=BUNDLED_NAMES) = Field(
+        "bundled:mt_bench", description="prompts to decode (first user turns): a prompt file, an s3:// object or "
+        "bundled:NAME; MT-bench is held out from training")
     num_prompts: int = Field(20, ge=1, le=10_000, description="N prompts spread evenly over the file, one per "
                              "distinct first turn (MT-bench's 8 categories in equal shares, where the first 20 "
                              "would be writing and role play only)")
-    second_prompts: names("prompts", s3=False, exact=BUNDLED_NAMES) | None = Field(
+    second_prompts: names("prompts", exact=BUNDLED_NAMES) | None = Field(
         "bundled:sharegpt", description="a second held-out prompt set scored beside `prompts` (first user turns), "
         "so that a gain that fits only one benchmark shows; skipped, with the reason in the report, when the "
         "drafter was trained on it; null: none")

@@ -27,6 +27,7 @@ from eyas.decoding import grouped_sdpa, growing_cache
 from eyas.drafter import Drafter, TTTCache
 from eyas.prompts import load_eval_prompts
 from eyas.render import render_prompt
+from eyas.settings import Settings
 from eyas.target import Target
 
 
@@ -38,11 +39,11 @@ class PromptIds:
 
 
 def eval_prompts(tokenizer, source: str = "bundled:mt_bench", limit: int | None = None,
-                 template_kwargs: dict | None = None) -> list[PromptIds]:
+                 template_kwargs: dict | None = None, settings: Settings | None = None) -> list[PromptIds]:
     """Each prompt's first user turn (after its system prompt, if any), rendered with the chat template (and the
     kwargs the drafter's data was rendered with, e.g. enable_thinking) and the assistant generation prompt. The
-    default, MT-bench, is held out from training by the generator."""
-    prompts = load_eval_prompts(source, limit)
+    default, MT-bench, is held out from training by the generator; an s3:// source is read with `settings`."""
+    prompts = load_eval_prompts(source, limit, settings)
     return [PromptIds(p.id, render_prompt(tokenizer, ([{"role": "system", "content": p.system}] if p.system else [])
                                           + [{"role": "user", "content": p.user_turns[0]}], template_kwargs),
                       p.meta.get("category"))

@@ -2,27 +2,13 @@
 dropped and counted."""
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from eyas.neardup import NearDupIndex
-from eyas.prompts import Prompt, load_prompts, resolve_prompt_file
+from eyas.prompts import Prompt, load_prompt_source
 from eyas.settings import Settings
-from eyas.store import open_artifact
 from services.generator.engine import Engine
 from services.generator.spec import Spec
 from services.generator.synthesize import synthesize_prompts
 from services.generator.task_mix import task_openers
-
-
-def _load_file(uri: str, settings: Settings) -> list[Prompt]:
-    if uri.startswith("s3://"):
-        bucket_uri, _, name = uri.rpartition("/")
-        with tempfile.TemporaryDirectory(prefix="eyas-prompts-") as tmp:
-            # keep the object's file name: prompt ids derive from it and must not change between runs
-            open_artifact(bucket_uri, settings).get_file(name, Path(tmp) / name)
-            return load_prompts(Path(tmp) / name)
-    return load_prompts(resolve_prompt_file(uri))
 
 
 def quotas(weights: list[float], total: int) -> list[int]:
@@ -37,7 +23,7 @@ def quotas(weights: list[float], total: int) -> list[int]:
 async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
                          settings: Settings) -> tuple[list[Prompt], dict[str, int]]:
     """The job's prompts from every source, with held-out (evaluation) prompts dropped and counted."""
-    held = [t for p in _load_file(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
+    held = [t for p in load_prompt_source(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
     guard = NearDupIndex(held)
     counts: dict[str, int] = {"held_out_dropped": 0}
     if spec.mix:
@@ -59,7 +45,7 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
             counts["held_out_dropped"] += synth_counts["held_out"]
         else:
             got = []
-            for p in _load_file(source, settings):
+            for p in load_prompt_source(source, settings):
                 if any(guard.find(t) is not None for t in p.user_turns):
                     counts["held_out_dropped"] += 1
                     continue
