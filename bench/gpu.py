@@ -143,7 +143,7 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
     model = TTTObjective(drafter, head, ttt_steps)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=BETAS)
-    tops = TargetTopCache(samples, head)
+    tops = TargetTopCache(samples.__getitem__, head)
     lengths = [s.input_ids.numel() for s in samples]
     plan = [b for epoch in range(1000) for b in epoch_plan(lengths, batch_tokens, 0, epoch)][: WARMUP_STEPS + steps]
     tokens = supervised = 0

@@ -168,7 +168,7 @@ def main() -> None:
         drafter = build_drafter(BUNDLED, args.vocab, layout, embed, used).to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, betas=BETAS)
-        tops = TargetTopCache(samples, head_on)
+        tops = TargetTopCache(samples.__getitem__, head_on)
 
         def step(indices: list[int]) -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
