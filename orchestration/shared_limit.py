@@ -79,6 +79,7 @@ class SharedLimit:
         self._released = asyncio.Event()
         self._held: set[str] = set()
         self._renewer: asyncio.Task | None = None
+        self._closed = False
 
     def _keep(self, state: list) -> None:
         self.limit, self.ssthresh = float(state[0]), float(state[1])
@@ -115,7 +116,7 @@ class SharedLimit:
         """Keep held leases alive (XX: never resurrect one that was released or had expired)."""
         from redis.exceptions import RedisError
 
-        while True:
+        while not self._closed:  # (a cancel swallowed inside a command's own timeout must not keep it alive)
             await asyncio.sleep(self.lease_s / 3)
             if self._held:
                 try:
@@ -146,6 +147,7 @@ class SharedLimit:
 
     async def aclose(self) -> None:
         if self._renewer is not None:
+            self._closed = True
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer

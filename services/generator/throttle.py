@@ -91,6 +91,7 @@ class Throttle:
         # this process's own cap: a shared limit's maximum is the job's, across every worker
         self._own = asyncio.Semaphore(most)
         self._watcher: asyncio.Task | None = None
+        self._closed = False
 
     @contextlib.asynccontextmanager
     async def slot(self, first: bool = False):
@@ -123,8 +124,8 @@ class Throttle:
             log.info("endpoint congested (%s): limit %.0f → %.0f", why, before, self.limit.limit)
 
     async def _watch(self) -> None:
-        """Steer by the server's own queue for as long as it publishes one."""
-        while True:
+        """Steer by the server's own queue for as long as it publishes one (and the throttle is open)."""
+        while not self._closed:
             try:
                 load = await self.load.read()
             except httpx.HTTPError as e:  # unreachable for now: the requests' retries deal with that
@@ -148,6 +149,9 @@ class Throttle:
 
     async def aclose(self) -> None:
         if self._watcher is not None:
+            # The flag too: a cancel that lands inside httpx's own timeout scope (anyio) can be swallowed, and a
+            # watcher that went on polling would keep this await, and the job, waiting for ever.
+            self._closed = True
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
