@@ -104,6 +104,8 @@ class SharedLimit:
                 self._released.clear()  # a slot freed in this process is tried at once; others' within `delay`
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._released.wait(), delay)
+                if asyncio.current_task().cancelling():  # 3.11's wait_for can swallow a cancel racing its timeout
+                    raise asyncio.CancelledError
                 delay = min(delay * 2, 0.05)
         finally:
             self._pass_turn()
