@@ -115,6 +115,8 @@ class FeatureStream:
     def __init__(self, reader: FeatureReader, cache_bytes: int):
         self.reader, self.cache_bytes = reader, cache_bytes
         self.sizes = {name: reader.manifest.files[name].bytes for name in reader.shards}
+        # everything fits one window: read once, kept for the whole run
+        self.whole = len(shard_windows(self.sizes, cache_bytes, None)) <= 1
         self.cache = WindowCache(lambda name, path: fetch_verified(reader.artifact, reader.manifest, name, path),
                                  reader.cache_dir)
         self._starts: list[int] = []  # first sample index of each shard, artifact order (after scan)
@@ -122,10 +124,6 @@ class FeatureStream:
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
         self._window: list[str] | None = None
 
-    @property
-    def whole(self) -> bool:
-        """Everything fits one window: read once, kept for the whole run."""
-        return len(shard_windows(self.sizes, self.cache_bytes, None)) <= 1
 
     def _load(self, window: list[str], upcoming: list[str]) -> None:
         if window != self._window:

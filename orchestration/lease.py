@@ -31,7 +31,6 @@ def job_lease(job_id: str) -> str:
 class Lease:
     def __init__(self, leases: Leases, lock: Lock):
         self._leases, self._lock = leases, lock
-        self.lost = False  # its renewal failed: another worker may hold it now
 
     @property
     def name(self) -> str:
@@ -90,7 +89,6 @@ class Leases:
                     lease._lock.reacquire()  # back to the full lease_s, only while the token is still ours
                 except LockError:
                     log.warning("lease %s lapsed and was not renewed: another worker may hold it", lease.name)
-                    lease.lost = True
                     self._drop(lease)
                 except RedisError as e:  # Redis briefly away: the next round renews; a lapse costs a takeover
                     log.warning("could not renew lease %s: %s", lease.name, e)
