@@ -8,13 +8,15 @@ The features manifest carries the layout; `FeatureReader` refuses features whose
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
+from eyas.handoff import INDEX, StreamPlan, read_plan, ready_entry
 from eyas.layout import (
     AUX_HIDDEN,
     FEATURE_TENSORS,
@@ -25,7 +27,7 @@ from eyas.layout import (
     Layout,
     check_layout,
 )
-from eyas.manifest import Manifest, fetch_verified, read_manifest
+from eyas.manifest import MANIFEST, Manifest, check_fetched, read_manifest
 from eyas.store import Artifact
 
 
@@ -72,14 +74,59 @@ class ShardBuffer:
         return n
 
 
+@dataclass
+class Index:
+    """Every sample's tokens and loss mask, without features (INDEX of a features artifact): what a trainer plans
+    from before it reads, or before the extractor has written, any shard."""
+
+    input_ids: torch.Tensor  # [T] int32, all samples back to back in artifact order
+    loss_mask: torch.Tensor  # [T] uint8
+    offsets: torch.Tensor  # [S+1] int64: sample s = tokens offsets[s]:offsets[s+1]
+    shard_starts: torch.Tensor  # [n_shards+1] int64: shard k holds samples shard_starts[k]:shard_starts[k+1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def supervised_counts(self, samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[V] int64: how often each id occurs at a supervised position of the samples `samples` ([N] bool)."""
+        owner = torch.repeat_interleave(torch.arange(len(self.offsets) - 1), self.offsets[1:] - self.offsets[:-1])
+        keep = self.loss_mask.bool() & samples[owner]
+        return torch.bincount(self.input_ids[keep].long(), minlength=vocab_size)
+
+    def to_bytes(self) -> bytes:
+        return save({"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets,
+                     "shard_starts": self.shard_starts})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Index:
+        return cls(**load(data))
+
+    @classmethod
+    def of(cls, shards: list[list[tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]]]) -> Index:
+        """The index of shards given as their samples' (input_ids, loss_mask), in artifact order."""
+        samples = [s for shard in shards for s in shard]
+        lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
+
+        def flat(i: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat([torch.as_tensor(s[i]).to(dtype) for s in samples]) if samples else torch.zeros(0, dtype=dtype)
+
+        return cls(input_ids=flat(0, torch.int32), loss_mask=flat(1, torch.uint8),
+                   offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+                   shard_starts=torch.tensor([0] + [len(sh) for sh in shards], dtype=torch.int64).cumsum(0))
+
+
 def is_validation(index: int, val_every: int) -> bool:
     """THE train/validation split: sample `index` (its order in the features artifact) is held out for validation
     iff index % val_every == 0. The trainer and the evaluator both split with this function."""
     return index % val_every == 0
 
 
+SHARD_PREFIX = "shard-"
+
+
 def shard_name(i: int) -> str:
-    return f"shard-{i:05d}.safetensors"
+    return f"{SHARD_PREFIX}{i:05d}.safetensors"
 
 
 def shard_sample(t: dict[str, torch.Tensor], i: int) -> Sample:
@@ -95,27 +142,56 @@ def shard_samples(t: dict[str, torch.Tensor]) -> Iterator[Sample]:
 
 
 class FeatureReader:
-    """Reads a features artifact after checking its manifest, its layout and every shard's sha256."""
+    """Reads a features artifact after checking its layout and every shard's sha256: a sealed one (its manifest
+    lists the files), or one still being extracted (eyas.handoff: the announcement gives the shards, each shard's
+    ready marker its sha256, and reading a shard waits for it)."""
 
-    def __init__(self, artifact: Artifact, expected: Layout | None = None, cache_dir: Path | None = None):
-        self.artifact = artifact
-        self.manifest: Manifest = read_manifest(artifact, kind="features")
-        if not self.manifest.layout:
+    def __init__(self, artifact: Artifact, expected: Layout | None = None, cache_dir: Path | None = None,
+                 stall_s: float = 3600.0):
+        self.artifact, self.stall_s = artifact, stall_s
+        self.closing = threading.Event()  # set: stop waiting for shards not yet extracted
+        self.stream: StreamPlan | None = read_plan(artifact)
+        self.manifest: Manifest | None = None
+        if self.stream is None or artifact.exists(MANIFEST):
+            self.manifest = read_manifest(artifact, kind="features")
+        layout = self.manifest.layout if self.manifest else self.stream.layout
+        if not layout:
             raise ValueError(f"{artifact.uri}: features manifest carries no layout")
-        self.layout = Layout.from_dict(self.manifest.layout)
+        self.layout = Layout.from_dict(layout)
         if expected is not None:
             check_layout(expected, self.layout, what=f"features {artifact.uri}")
-        self.shards = sorted(n for n in self.manifest.files if n.endswith(".safetensors"))
+        if self.stream is not None:
+            self.sizes = self.stream.sizes
+        else:
+            self.sizes = {n: e.bytes for n, e in sorted(self.manifest.files.items()) if n.startswith(SHARD_PREFIX)}
+        self.shards = list(self.sizes)  # artifact order
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="eyas-features-")
             cache_dir = Path(self._tmp.name)
         self.cache_dir = Path(cache_dir)
 
-    def load_shard(self, name: str) -> dict[str, torch.Tensor]:
-        local = self.cache_dir / name
+    @property
+    def chat_template_kwargs(self) -> dict:
+        if self.manifest is not None:
+            return self.manifest.features.chat_template_kwargs if self.manifest.features else {}
+        return self.stream.chat_template_kwargs
+
+    def index(self) -> Index:
+        return Index.from_bytes(self.artifact.get_bytes(INDEX))
+
+    def fetch(self, obj: str, dest: Path) -> None:
+        """Download shard object `obj` to `dest`, checked against its sha256 (the manifest's, else its ready
+        marker's, waiting for that)."""
+        entry = self.manifest.files.get(obj) if self.manifest else None
+        if entry is None and self.stream is not None:
+            entry = ready_entry(self.artifact, obj, self.stall_s, self.closing.is_set)
+        check_fetched(self.artifact, obj, entry, dest)
+
+    def load_shard(self, name: str, local: Path | None = None) -> dict[str, torch.Tensor]:
+        local = local or self.cache_dir / name
         if not local.exists():
-            fetch_verified(self.artifact, self.manifest, name, local)
+            self.fetch(name, local)
         t = load_file(str(local))
         missing = [k for k in FEATURE_TENSORS if k not in t]
         if missing:

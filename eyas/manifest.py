@@ -133,7 +133,11 @@ def read_manifest(artifact: Artifact, kind: str | None = None) -> Manifest:
 
 def fetch_verified(artifact: Artifact, manifest: Manifest, name: str, dest: Path) -> Path:
     """Download one file of an artifact and check it against the manifest's sha256."""
-    entry = manifest.files.get(name)
+    return check_fetched(artifact, name, manifest.files.get(name), dest)
+
+
+def check_fetched(artifact: Artifact, name: str, entry: FileEntry | None, dest: Path) -> Path:
+    """Download one file of an artifact and check it against its listed sha256."""
     if entry is None:
         raise IncompleteArtifact(f"{artifact.uri}: {name!r} is not listed in its manifest")
     artifact.get_file(name, dest)

@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     # How often each worker sweeps for jobs whose lease lapsed (and the broker for its expired deliveries).
     lease_sweep_s: float = Field(2.0, gt=0)
 
+    # A hand-off of features between an extract and a train job running together (eyas.handoff): how long either
+    # side waits for the other (a shard, a consumed window) before it gives up.
+    stream_stall_s: float = Field(3600.0, gt=0)
+
     # Generator: the most requests one worker process keeps in flight, whatever a job's concurrency (its global
     # maximum per endpoint) allows; more workers, more in flight, up to that maximum.
     worker_max_in_flight: int = Field(256, ge=1)

@@ -74,6 +74,11 @@ class StageSpec(BaseModel):
     def _json_numbers(cls, data: Any) -> Any:
         return integral_floats(cls, data)
 
+    def hands_off_early(self) -> bool:
+        """Whether the next stage of `then` may start on this job's output as soon as the job starts (the output is
+        readable while written). The orchestration then submits it at this job's start, to run beside it."""
+        return False
+
 
 class Cancelled(RuntimeError):
     """Raised inside a stage by `StageContext.progress` once the job's cancellation was requested."""

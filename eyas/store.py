@@ -94,7 +94,10 @@ class LocalStore:
         )
 
     def delete_prefix(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        path = self._path(prefix)
+        if path.is_file():  # a prefix naming one object, as S3 matches it
+            path.unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
 
     def uri(self, prefix: str) -> str:
         return (self.root / safe_key(prefix)).as_uri() if prefix else self.root.as_uri()

@@ -20,34 +20,12 @@ from pathlib import Path
 import torch
 
 from eyas.features import FeatureReader, Sample, shard_sample, shard_samples
-from eyas.manifest import fetch_verified
+from eyas.handoff import release
+from eyas.windows import shard_windows
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_GB = 64.0
-
-
-def shard_windows(sizes: dict[str, int], cache_bytes: int, seed: int | None, epoch: int = 0) -> list[list[str]]:
-    """Epoch `epoch`'s shards (name → bytes, in artifact order) in windows of at most half `cache_bytes` each
-    (one shard at least): one window in artifact order when they all fit, else shuffled by (seed, epoch) — or in
-    artifact order for seed None — and cut into consecutive windows. A pure function of its arguments."""
-    names = list(sizes)
-    half = cache_bytes // 2
-    if sum(sizes.values()) <= half:
-        return [names] if names else []
-    order = names
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = [names[i] for i in torch.randperm(len(names), generator=g).tolist()]
-    windows: list[list[str]] = []
-    used = half + 1  # start a window at the first shard
-    for name in order:
-        if used + sizes[name] > half:
-            windows.append([])
-            used = 0
-        windows[-1].append(name)
-        used += sizes[name]
-    return windows
 
 
 class WindowCache:
@@ -62,12 +40,12 @@ class WindowCache:
         self._failed: BaseException | None = None
         self.fetched = 0  # shards downloaded (a shard fetched again in a later epoch counts again)
 
-    def _path(self, name: str) -> Path:
+    def path(self, name: str) -> Path:
         return self.cache_dir / name
 
     def _get(self, names: list[str]) -> None:
         for name in names:
-            local = self._path(name)
+            local = self.path(name)
             if not local.exists():
                 part = local.with_name(local.name + ".part")
                 self.fetch(name, part)
@@ -99,7 +77,7 @@ class WindowCache:
             self._prefetch = threading.Thread(target=self._background, args=(list(upcoming),),
                                               name="eyas-prefetch", daemon=True)
             self._prefetch.start()
-        return {name: self._path(name) for name in window}
+        return {name: self.path(name) for name in window}
 
     def close(self) -> None:
         self._join()
@@ -109,27 +87,38 @@ class FeatureStream:
     """A features artifact read window by window through a WindowCache of `cache_bytes` (see the module doc).
 
     `scan()` visits every sample once in artifact order (its index is the one eyas.features.is_validation splits
-    on) and learns where each shard's samples start; after it, `enter(windows, w)` loads window w's shards (and
-    starts fetching window w + 1's) and `sample(i)` reads sample i of the loaded window."""
+    on); `enter(seed, epoch, w)` loads window w of that epoch's shards (and starts fetching the next window) and
+    `sample(i)` reads sample i of the loaded window. Which sample starts each shard comes from the scan, or from
+    the artifact's index (`set_starts`). An artifact still being extracted (eyas.handoff) is read in the windows
+    its extractor produces them in, each epoch's shards from that epoch's objects."""
 
     def __init__(self, reader: FeatureReader, cache_bytes: int):
         self.reader, self.cache_bytes = reader, cache_bytes
-        self.sizes = {name: reader.manifest.files[name].bytes for name in reader.shards}
+        self.sizes = reader.sizes
         # everything fits one window: read once, kept for the whole run
-        self.whole = len(shard_windows(self.sizes, cache_bytes, None)) <= 1
-        self.cache = WindowCache(lambda name, path: fetch_verified(reader.artifact, reader.manifest, name, path),
-                                 reader.cache_dir)
+        self.whole = reader.stream is None and len(shard_windows(self.sizes, cache_bytes, None)) <= 1
+        self._epoch_of: dict[str, int] = {}  # the epoch whose object a local shard copy is fetched from
+        self.cache = WindowCache(self._fetch, reader.cache_dir)
         self._starts: list[int] = []  # first sample index of each shard, artifact order (after scan)
         self._start_of: dict[str, int] = {}
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
         self._window: list[str] | None = None
+        self._released: set[tuple[int, int]] = set()
 
+    def _fetch(self, name: str, path: Path) -> None:
+        stream = self.reader.stream
+        self.reader.fetch(stream.object_name(self._epoch_of[name], name) if stream else name, path)
 
     def _load(self, window: list[str], upcoming: list[str]) -> None:
         if window != self._window:
             self.cache.enter(window, upcoming)
-            self._loaded = {name: self.reader.load_shard(name) for name in window}
+            self._loaded = {name: self.reader.load_shard(name, self.cache.path(name)) for name in window}
             self._window = window
+
+    def set_starts(self, shard_starts: list[int]) -> None:
+        """Where each shard's samples start (the index's), in place of a scan."""
+        self._starts = shard_starts[:len(self.reader.shards)]
+        self._start_of = dict(zip(self.reader.shards, self._starts, strict=True))
 
     def scan_windows(self) -> Iterator[list[tuple[int, Sample]]]:
         """Every sample once, in artifact order (its index is the one eyas.features.is_validation splits on), a
@@ -137,6 +126,7 @@ class FeatureStream:
         windows = shard_windows(self.sizes, self.cache_bytes, None)
         index, self._starts = 0, []
         for w, window in enumerate(windows):
+            self._epoch_of.update(dict.fromkeys(window, 0))
             self._load(window, windows[w + 1] if w + 1 < len(windows) else [])
             samples = []
             for name in window:
@@ -152,14 +142,46 @@ class FeatureStream:
             yield from window
 
     def windows(self, seed: int, epoch: int) -> list[list[str]]:
-        return shard_windows(self.sizes, self.cache_bytes, seed, epoch)
+        """Epoch `epoch`'s windows: those the extractor produces, for an epoch it produces; else the cache's."""
+        produced = self.reader.stream.windows(epoch) if self.reader.stream else None
+        return produced if produced is not None else shard_windows(self.sizes, self.cache_bytes, seed, epoch)
+
+    def epochs_available(self) -> int | None:
+        """How many epochs can be read (None: any number): an extractor that recomputes produces only its own."""
+        stream = self.reader.stream
+        return stream.epochs if stream is not None and stream.policy == "recompute" else None
+
+    @property
+    def releases(self) -> bool:
+        """The shards are deleted as training consumes them (a recompute hand-off)."""
+        return self.epochs_available() is not None
+
+    def release_before(self, seed: int, epoch: int, w: int) -> None:
+        """(recompute) Delete every window before window w of `epoch` and say so to the extractor
+        (eyas.handoff.release); called after a checkpoint past them is committed."""
+        for e in range(min(epoch + 1, self.epochs_available())):
+            for v in range(len(self.windows(seed, e)) if e < epoch else w):
+                if (e, v) not in self._released:
+                    release(self.reader.artifact, self.reader.stream, e, v)
+                    self._released.add((e, v))
 
     def shard_of(self, index: int) -> str:
         return self.reader.shards[bisect.bisect_right(self._starts, index) - 1]
 
-    def enter(self, windows: list[list[str]], w: int, following: list[str] = ()) -> None:
-        """Load window w of `windows`; fetch the next one (or `following`, after the last) meanwhile."""
-        self._load(windows[w], windows[w + 1] if w + 1 < len(windows) else list(following))
+    def enter(self, seed: int, epoch: int, w: int) -> None:
+        """Load window w of `epoch`; fetch the next one (the next epoch's first, after the last) meanwhile."""
+        windows = self.windows(seed, epoch)
+        upcoming, upcoming_epoch = (windows[w + 1], epoch) if w + 1 < len(windows) else ([], epoch + 1)
+        if not upcoming and (self.epochs_available() is None or epoch + 1 < self.epochs_available()):
+            upcoming = self.windows(seed, epoch + 1)[0]
+        # which epoch's object each shard not held locally comes from (one held is read again: the same samples)
+        for name in windows[w]:
+            if not self.cache.path(name).exists():
+                self._epoch_of[name] = epoch
+        for name in upcoming:
+            if name not in windows[w]:
+                self._epoch_of[name] = upcoming_epoch
+        self._load(windows[w], upcoming)
 
     def sample(self, index: int) -> Sample:
         name = self.shard_of(index)
@@ -169,5 +191,6 @@ class FeatureStream:
         return shard_sample(tensors, index - self._start_of[name])
 
     def close(self) -> None:
+        self.reader.closing.set()  # a prefetch waiting for a shard not yet extracted stops waiting
         self.cache.close()
         self._loaded, self._window = {}, None

@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.features import FeatureReader, Sample, ShardBuffer, is_validation, shard_name
+from eyas.features import FeatureReader, Index, Sample, ShardBuffer, is_validation, shard_name
+from eyas.handoff import INDEX
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, read_manifest
 from eyas.settings import Settings
 from eyas.stage import StageContext
 from eyas.store import Artifact, LocalStore, open_artifact
-from eyas.streaming import FeatureStream, WindowCache, shard_windows
+from eyas.streaming import FeatureStream, WindowCache
+from eyas.windows import shard_windows
 from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
 from services.trainer import core
-from services.trainer.data import BatchStream, DataPosition, scan_features
+from services.trainer.data import BatchStream, DataPosition, plan_features
 from services.trainer.spec import Spec
 
 HIDDEN, VOCAB = 576, 49152  # the bundled target's: the trainer loads its real head
@@ -33,6 +35,7 @@ def write_features(dest: Path, samples: int, per_shard: int, seed: int = 0) -> s
                                "tokenizer_hash": tokenizer_hash(load_tokenizer(BUNDLED))})  # as the trainer checks
     writer, buf, g = ArtifactWriter(open_artifact(str(dest))), ShardBuffer(max_bytes=1 << 40), torch.Generator()
     g.manual_seed(seed)
+    tokens: list[list[tuple]] = []  # each shard's samples' (input_ids, loss_mask): the index
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(samples):
             T = 24 + int(torch.randint(0, 17, (1,), generator=g))
@@ -42,9 +45,11 @@ def write_features(dest: Path, samples: int, per_shard: int, seed: int = 0) -> s
                            torch.randn(T, 3 * HIDDEN, generator=g).bfloat16(),
                            torch.randn(T, HIDDEN, generator=g).bfloat16()))
             if len(buf.samples) == per_shard or i == samples - 1:
+                tokens.append([(s.input_ids, s.loss_mask) for s in buf.samples])
                 path = Path(tmp) / shard_name(i // per_shard)
                 buf.write(path)
                 writer.put_file(path.name, path)
+    writer.put_bytes(INDEX, Index.of(tokens).to_bytes())
     writer.commit(Manifest(kind="features", id=dest.name, layout=layout.to_dict(), counts={"samples": samples}))
     return str(dest)
 
@@ -82,17 +87,24 @@ def test_the_local_copy_never_holds_more_than_two_windows(tmp_path):
 def test_an_epoch_through_a_small_cache_trains_on_every_sample_once_in_a_resumable_order(tmp_path):
     uri = write_features(tmp_path / "features", samples=60, per_shard=5)
     reader = FeatureReader(open_artifact(uri), cache_dir=tmp_path / "cache")
-    shard = max(reader.manifest.files[n].bytes for n in reader.shards)
+    shard = max(reader.sizes.values())
     stream = FeatureStream(reader, cache_bytes=4 * shard)  # one or two of the twelve shards a window
-    data = scan_features(stream, val_every=10, vocab_size=VOCAB)
+    data = plan_features(stream, val_every=10, vocab_size=VOCAB)
     assert not stream.whole and 6 <= len(stream.windows(0, 0)) < 12
-    assert data.train == [i for i in range(60) if not is_validation(i, 10)] and data.val_total == 6
+    assert data.train == [i for i in range(60) if not is_validation(i, 10)] and len(data.val_indices) == 6
     windows = data.windows(seed=0)
     batches = BatchStream(data.lengths, 256, seed=0, windows=windows)
     every = list(FeatureReader(open_artifact(uri)).samples())  # artifact order, read plainly
-    # validation keeps the first samples that fit a quarter of the cache, copied out of their shards
-    assert 1 <= len(data.val) < 6 and all(torch.equal(v.aux_hidden, every[10 * k].aux_hidden)
-                                          for k, v in enumerate(data.val))
+    # the index plans what a scan of the features would: lengths and the train samples' supervised ids
+    assert data.lengths == [every[i].input_ids.numel() for i in data.train]
+    assert torch.equal(data.counts, sum(torch.bincount(every[i].input_ids[every[i].loss_mask.bool()], minlength=VOCAB)
+                                        for i in data.train))
+    # validation keeps the samples of epoch 0's first window that fit a quarter of the cache, copied out
+    val = data.load_validation(seed=0)
+    first = set(stream.windows(0, 0)[0])
+    held = [i for i in data.val_indices if stream.shard_of(i) in first]
+    assert 1 <= len(val) <= len(held) and all(torch.equal(v.aux_hidden, every[i].aux_hidden)
+                                              for v, i in zip(val, held, strict=False))
     seen, order, peak = [], [], 0
     while len(seen) < len(data.train):
         batch = batches.next()

@@ -226,9 +226,14 @@ def _accuracy(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter)
         reader = FeatureReader(open_artifact(features_uri, ctx.settings), expected=subject.layout)
         stream = FeatureStream(reader, int(spec.cache_gb * (1 << 30)))
         val_every = None if spec.features else subject.facts.val_every
-        per_step, samples = teacher_forced_accuracy(
-            drafter, subject.target.model.get_output_embeddings().weight.detach(), stream, val_every, steps,
-            spec.batch_tokens)
+        if stream.releases:  # deleted as the trainer consumed them (eyas.handoff, recompute)
+            log.warning("features %s were not kept (extracted again each epoch): no teacher-forced accuracy; the "
+                        "drafter's manifest has its validation accuracy", features_uri)
+            features_uri = None
+        else:
+            per_step, samples = teacher_forced_accuracy(
+                drafter, subject.target.model.get_output_embeddings().weight.detach(), stream, val_every, steps,
+                spec.batch_tokens)
     ctx.metrics.update(per_position_accuracy=per_step)
     return Accuracy(per_step, samples, features_uri, steps)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -22,11 +24,13 @@ from tqdm import tqdm
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import shard_name
+from eyas.handoff import INDEX, StreamPlan, abort, publish
 from eyas.layout import Layout, default_aux_layers
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult
+from eyas.store import Artifact
 from eyas.target import (
     Target,
     config_hash,
@@ -40,6 +44,7 @@ from eyas.target import (
 from services.extractor.plan import Plan, make_plan
 from services.extractor.shards import write_shards
 from services.extractor.spec import Spec
+from services.extractor.stream import announce, plan_index, published_files, stream_plan, work
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "data"
@@ -72,6 +77,7 @@ class Job:
     plan: Plan
     source: Manifest  # the conversations' manifest
     template_kwargs: dict
+    width: int  # hidden values a token stores (aux + final)
 
 
 def prepare(spec: Spec, settings: Settings) -> Job:
@@ -79,10 +85,10 @@ def prepare(spec: Spec, settings: Settings) -> Job:
     layout = target_layout(spec.target, tokenizer, spec.aux_layers)
     records, source = read_conversations(spec.data, settings, expect_tokenizer_hash=layout.tokenizer_hash)
     template_kwargs = source.dataset.chat_template_kwargs if source.dataset else {}
+    width = (len(layout.aux_layers) + 1) * layout.hidden_size
     plan = make_plan(records, tokenizer, template_kwargs, max_length=spec.max_length, overlong=spec.overlong,
-                     batch_tokens=spec.batch_tokens, width=(len(layout.aux_layers) + 1) * layout.hidden_size,
-                     shard_max_bytes=spec.shard_mb << 20)
-    return Job(layout, plan, source, template_kwargs)
+                     batch_tokens=spec.batch_tokens, width=width, shard_max_bytes=spec.shard_mb << 20)
+    return Job(layout, plan, source, template_kwargs, width)
 
 
 def processes(spec: Spec, place: Placement) -> int:
@@ -122,43 +128,72 @@ def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> d
     return files
 
 
+def shard_work(spec: Spec, stream: StreamPlan | None, plan: Plan, output: Artifact, rank: int, world: int,
+          settings: Settings, cancelled) -> Iterator[tuple[int, str]]:
+    """This process's shards: every world-th of the plan's from rank, or its share of the stream."""
+    if stream is None:
+        return ((i, shard_name(i)) for i in range(rank, len(plan.shards), world))
+    return work(stream, output, rank, world, settings.stream_stall_s, cancelled)
+
+
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     place = placement(ctx.settings, spec.dtype)
     # "auto" resolved here, once: every process and the manifest see the same dtype
     spec = spec.model_copy(update={"dtype": place.dtype_name})
     job = prepare(spec, ctx.settings)
     plan, layout = job.plan, job.layout
-    total = plan.counts["tokens"]
     n = processes(spec, place)
     writer = ArtifactWriter(ctx.output)
-    if n == 1:
-        target = load_target(spec.target, place)
-        bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
-        done = 0
+    writer.put_bytes(INDEX, plan_index(plan).to_bytes())  # what a trainer plans from
+    stream = None
+    if spec.stream is not None:
+        stream = stream_plan(spec.stream, plan, layout.to_dict(), job.width, job.template_kwargs)
+        announce(stream, writer)
+    total = plan.counts["tokens"] * (stream.epochs if stream else 1)
+    try:
+        if n == 1:
+            target = load_target(spec.target, place)
+            bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
+            done = 0
 
-        def progress(tokens: int) -> None:
-            nonlocal done
-            done += tokens
-            bar.update(tokens)
-            ctx.metrics.update(tokens=done)
-            ctx.progress(done, total, "tokens")
+            def progress(tokens: int) -> None:
+                nonlocal done
+                done += tokens
+                bar.update(tokens)
+                ctx.metrics.update(tokens=done)
+                ctx.progress(done, total, "tokens")
 
-        write_shards(target, layout, plan, range(len(plan.shards)), writer, progress)
-        bar.close()
-        device = str(target.input_device)
-    else:
-        writer.files.update(_extract_distributed(spec, n, ctx, total))
-        device = place.device.type
-    missing = {shard_name(i) for i in range(len(plan.shards))} - writer.files.keys()
+            def cancelled() -> bool:  # while waiting for the trainer: a cancel raises Cancelled here
+                ctx.progress(done, total, "tokens")
+                return False
+
+            shards = ArtifactWriter(ctx.output) if stream else writer  # a stream's shards are listed by their markers
+            write_shards(target, layout, plan, shard_work(spec, stream, plan, ctx.output, 0, 1, ctx.settings, cancelled),
+                         shards, progress, partial(publish, ctx.output) if stream else None)
+            bar.close()
+            device = str(target.input_device)
+        else:
+            files = _extract_distributed(spec, n, ctx, total)
+            if stream is None:
+                writer.files.update(files)
+            device = place.device.type
+    except Exception as e:
+        if stream is not None:  # the trainer stops waiting for shards that will not come
+            abort(ctx.output, "extractor", f"{type(e).__name__}: {e}")
+        raise
+    if stream is not None:
+        writer.files.update(published_files(stream, ctx.output))
+    missing = set() if stream else {shard_name(i) for i in range(len(plan.shards))} - writer.files.keys()
     if missing:
         raise RuntimeError(f"extractor processes did not report shards {sorted(missing)}")
     writer.put_bytes("samples.txt", ("\n".join(item.id for item in plan.samples) + "\n").encode())
     counts = plan.counts
+    policy = {"overlong": spec.overlong, "features": stream.policy if stream else "cache"}
     manifest = writer.commit(Manifest(
         kind="features", id=ctx.job_id, job_spec=spec.model_dump(mode="json"), inputs=[spec.data],
         counts=counts, layout=layout.to_dict(), features=FeaturesFacts(chat_template_kwargs=job.template_kwargs),
         metrics={k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
-        extra={"source_manifest_id": job.source.id, "policy": {"overlong": spec.overlong},
+        extra={"source_manifest_id": job.source.id, "policy": policy,
                "compute": {"device": device, "processes": n, "dtype": place.dtype_name}},
     ))
     log.info("features: %s samples, %s tokens in %s shards → %s", counts["samples"], counts["tokens"],

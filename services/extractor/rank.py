@@ -13,13 +13,15 @@ import json
 import logging
 import os
 import sys
+from functools import partial
 
 from eyas.device import placement
+from eyas.handoff import publish, read_plan
 from eyas.manifest import ArtifactWriter
 from eyas.settings import get_settings
 from eyas.store import open_artifact
 from eyas.target import load_target
-from services.extractor.core import FILES_TAG, PROGRESS_TAG, prepare
+from services.extractor.core import FILES_TAG, PROGRESS_TAG, prepare, shard_work
 from services.extractor.shards import write_shards
 from services.extractor.spec import Spec
 
@@ -35,9 +37,13 @@ def main(argv: list[str]) -> None:
     settings = get_settings()  # this process (a torchrun rank) reads the worker's environment
     job = prepare(spec, settings)
     target = load_target(spec.target, placement(settings, spec.dtype))
-    writer = ArtifactWriter(open_artifact(args.output, settings))
-    write_shards(target, job.layout, job.plan, range(rank, len(job.plan.shards), world), writer,
-                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True))
+    output = open_artifact(args.output, settings)
+    writer = ArtifactWriter(output)
+    stream = read_plan(output) if spec.stream else None  # the parent announced it
+    write_shards(target, job.layout, job.plan, shard_work(spec, stream, job.plan, output, rank, world, settings,
+                                                     lambda: False),
+                 writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
+                 partial(publish, output) if stream else None)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from eyas.capture import capture
-from eyas.features import Sample, ShardBuffer, shard_name
+from eyas.features import Sample, ShardBuffer
 from eyas.layout import Layout
-from eyas.manifest import ArtifactWriter
+from eyas.manifest import ArtifactWriter, FileEntry
 from eyas.target import Target
 from services.extractor.offload import Background, Ready, to_host
 from services.extractor.plan import Batch, Plan
@@ -46,22 +46,30 @@ def _add(buf: ShardBuffer, batch: Batch, ready: Ready) -> None:
                        aux_hidden=a.clone(), final_hidden=f.clone()))  # clones: the padded batch can go
 
 
-def _flush(buf: ShardBuffer, path: Path, writer: ArtifactWriter) -> None:
-    """(writer thread) Write the shard file, upload it (its sha256 into writer.files), remove it."""
+def _flush(buf: ShardBuffer, path: Path, obj: str, writer: ArtifactWriter, uploaded: Uploaded | None) -> None:
+    """(writer thread) Write the shard file, upload it as `obj` (its sha256 into writer.files), remove it."""
     buf.write(path)
-    writer.put_file(path.name, path)
+    writer.put_file(obj, path)
     path.unlink()
+    if uploaded is not None:
+        uploaded(obj, writer.files[obj])
 
 
-def write_shards(target: Target, layout: Layout, plan: Plan, indices: Iterable[int], writer: ArtifactWriter,
-                 progress: Callable[[int], None]) -> None:
-    """Extract the plan's shards `indices` into `writer`'s artifact; `progress(tokens)` after each batch's forward."""
+Uploaded = Callable[[str, FileEntry], None]  # (object, its entry), once a shard is uploaded
+
+
+def write_shards(target: Target, layout: Layout, plan: Plan, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
+                 progress: Callable[[int], None], uploaded: Uploaded | None = None) -> None:
+    """Extract the plan's shards named in `work` ((plan index, object name) pairs, taken lazily: a producer may
+    wait before yielding the next) into `writer`'s artifact; `progress(tokens)` after each batch's forward,
+    `uploaded(obj, entry)` after each shard's upload."""
     with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp, Background() as background:
-        for index in indices:
+        for index, obj in work:
             buf = ShardBuffer()
             for batch in plan.shards[index]:
                 ids, mask = padded(batch)
                 aux, final = capture(target, layout, ids, mask)  # on the target's input device
                 background.submit(partial(_add, buf, batch, to_host(aux, final)))
                 progress(sum(len(item.input_ids) for item in batch))
-            background.submit(partial(_flush, buf, Path(tmp) / shard_name(index), writer))
+            path = Path(tmp) / obj.replace("/", "-")
+            background.submit(partial(_flush, buf, path, obj, writer, uploaded))

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from eyas.confine import names
 from eyas.device import DTypeName
 from eyas.stage import StageSpec
 from eyas.target import BUNDLED
+
+
+class StreamSpec(BaseModel):
+    """Extract while a train job trains on the shards as they land (eyas.handoff)."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: Literal["first_epoch", "recompute"] = Field(
+        description="first_epoch: extract once, in artifact order, and keep the shards for later epochs; "
+        "recompute: extract every epoch again and keep at most max_store_gb of features")
+    epochs: int = Field(1, ge=1, le=1000, description="recompute: epochs to extract (the train job's, rounded up)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="recompute: each epoch's shard order is shuffled by "
+                      "(seed, epoch)")
+    max_store_gb: float = Field(16.0, gt=0, le=1_000_000, description="features stored at once, at most (two "
+                                "windows of half this, plus a shard per extractor process); the train job's "
+                                "cache_gb must be at least this")
 
 
 class Spec(StageSpec):
@@ -27,3 +42,8 @@ class Spec(StageSpec):
                              "CPU). Features are stored in bf16 either way")
     processes: int | None = Field(None, ge=1, le=64, description="extractor processes under torchrun, one per GPU; "
                                   "default: one per visible GPU when the target fits one, else 1")
+    stream: StreamSpec | None = Field(None, description="hand the features to a train job while extracting (its "
+                                      "`then`: train starts at once); default: extract everything first")
+
+    def hands_off_early(self) -> bool:
+        return self.stream is not None

@@ -5,12 +5,16 @@ Checkpoints live under the job's output prefix (rank 0 writes them; no pickle an
   checkpoints/step-NNNNNNNN/optimizer.safetensors  AdamW exp_avg / exp_avg_sq / step per parameter, RNG state
   checkpoints/step-NNNNNNNN/state.json             step, data position, history, the spec fields that shape training
   checkpoints/latest.json                          written last: the commit marker of a checkpoint
+  checkpoints/validation.safetensors               the validation samples, where the features are deleted as
+                                                   training consumes them (a recompute hand-off, eyas.handoff)
 Resume loads all of it and continues with exactly the losses an uninterrupted run would have had. The final
 checkpoint (step == total steps) is what the stage exports.
 """
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +22,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from eyas.drafter import Drafter
+from eyas.features import Sample, ShardBuffer, shard_samples
 from eyas.settings import Settings
 from eyas.store import Artifact, open_artifact
 from services.trainer.data import DataPosition
@@ -26,6 +31,7 @@ from services.trainer.spec import Spec
 ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
 CHECKPOINTS = "checkpoints"
 LATEST = f"{CHECKPOINTS}/latest.json"
+VALIDATION = f"{CHECKPOINTS}/validation.safetensors"
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
@@ -104,3 +110,22 @@ def restore(source: Artifact, drafter: Drafter, optimizer: torch.optim.Optimizer
         raise ValueError(f"checkpoint {source.uri}: missing {missing}, unexpected {unexpected}")
     _load_optimizer(optimizer, names, opt_tensors)
     return state["step"], DataPosition(**state["data"]), state["history"]
+
+
+def save_validation(output: Artifact, val: list[Sample]) -> None:
+    """Keep the validation samples beside the checkpoints: a resumed run cannot read them from deleted shards."""
+    if not output.exists(VALIDATION):
+        buf = ShardBuffer()
+        for sample in val:
+            buf.add(sample)
+        with tempfile.TemporaryDirectory(prefix="eyas-val-") as tmp:
+            buf.write(Path(tmp) / "v.safetensors")
+            output.put_file(VALIDATION, Path(tmp) / "v.safetensors")
+
+
+def load_validation(source: Artifact) -> list[Sample] | None:
+    """The validation samples a run kept (save_validation), None where it kept none."""
+    if not source.exists(VALIDATION):
+        return None
+    return [Sample(*(t.clone() for t in (s.input_ids, s.loss_mask, s.aux_hidden, s.final_hidden)))
+            for s in shard_samples(load_safetensors(source.get_bytes(VALIDATION)))]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.exports import HISTORY, export_drafter, speculators_verifier
+from eyas.handoff import FINISHED, abort
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest
 from eyas.ranks import run_ranks
 from eyas.stage import StageContext, StageResult
@@ -66,14 +67,21 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     spec = resolve(spec, ctx.settings)  # once: torchrun's ranks, the exports and the manifest see the same values
     reader, layout = open_features(spec, ctx.settings)
-    if spec.processes > 1:
-        _train_distributed(spec, ctx)
-    else:
-        def report(step: int, total: int, metrics: dict[str, Any]) -> None:
-            ctx.metrics.update(metrics)
-            ctx.progress(step, total, "steps")
+    try:
+        if spec.processes > 1:
+            _train_distributed(spec, ctx)
+        else:
+            def report(step: int, total: int, metrics: dict[str, Any]) -> None:
+                ctx.metrics.update(metrics)
+                ctx.progress(step, total, "steps")
 
-        train(spec, layout, reader, ctx.output, report, ctx.settings)
+            train(spec, layout, reader, ctx.output, report, ctx.settings)
+    except BaseException as e:
+        if reader.stream is not None:  # an extractor feeding this job stops waiting for it
+            abort(reader.artifact, "trainer", f"{type(e).__name__}: {e}")
+        raise
+    if reader.stream is not None:
+        reader.artifact.put_bytes(FINISHED, b"{}")
     weights, _, state = load_checkpoint(ctx.output)
     target = spec.target or layout.target
     metrics = _summary(state["history"], state["info"])
@@ -99,8 +107,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                            "dtype": spec.dtype}},
         drafter=DrafterFacts(target=target, ttt_steps=spec.ttt_steps, val_every=spec.val_every,
                              draft_vocab_size=spec.draft_vocab_size, unsupported_engines=unsupported,
-                             chat_template_kwargs=reader.manifest.features.chat_template_kwargs
-                             if reader.manifest.features else {}),
+                             chat_template_kwargs=reader.chat_template_kwargs),
     ))
     ctx.output.store.delete_prefix(ctx.output.key(CHECKPOINTS))
     log.info("drafter: %d steps, val acc %s → %s", state["step"], metrics.get("val_acc"), ctx.output.uri)

@@ -22,7 +22,6 @@ import torch
 from eyas.batching import cut_batches
 from eyas.features import Sample, is_validation, shard_bytes
 from eyas.streaming import FeatureStream
-from services.trainer.vocab import token_counts
 
 GROUP = 64  # samples sorted by length together before batches are cut
 WINDOW_SEED = 7_919  # window w of an epoch shuffles with seed + WINDOW_SEED · w
@@ -34,15 +33,15 @@ Windows = Callable[[int], list[list[int]]]
 
 @dataclass
 class TrainData:
-    """One scan of a features artifact (eyas.streaming.FeatureStream.scan): where its train samples are, what they
-    hold, and the validation samples, kept in memory."""
+    """A features artifact planned from its index (eyas.features.Index): where its train samples are and what they
+    hold, without reading a feature. The validation samples are read later (`load_validation`)."""
 
     stream: FeatureStream
     train: list[int]  # sample index (artifact order) of each train sample
     lengths: list[int]  # their token counts
-    val: list[Sample]  # copies, the first ones in artifact order that fit a VAL_SHARE of the cache
-    val_total: int  # validation samples in the features (beyond those kept)
+    val_indices: list[int]  # every validation sample's index
     counts: torch.Tensor  # [V] int64: supervised token ids over the train samples (the draft vocabulary's)
+    val: list[Sample] = field(default_factory=list)  # in memory: see load_validation
     _by_shard: dict[str, list[int]] = field(default_factory=dict)
 
     def windows(self, seed: int) -> Windows:
@@ -58,30 +57,41 @@ class TrainData:
 
     def enter(self, seed: int, epoch: int, w: int) -> None:
         """Load window w of `epoch`'s (see eyas.streaming.FeatureStream.enter), fetching the next one meanwhile."""
-        self.stream.enter(self.stream.windows(seed, epoch), w, following=self.stream.windows(seed, epoch + 1)[0])
+        self.stream.enter(seed, epoch, w)
 
     def sample(self, position: int) -> Sample:
         return self.stream.sample(self.train[position])
 
-
-def scan_features(stream: FeatureStream, val_every: int, vocab_size: int) -> TrainData:
-    """Read every sample once (window by window): split train / validation, count the train samples' supervised
-    token ids, and keep the first validation samples that fit."""
-    train, lengths, val, val_total = [], [], [], 0
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    val_budget, val_bytes = stream.cache_bytes // VAL_SHARE, 0
-    for index, s in stream.scan():
-        if is_validation(index, val_every):
-            val_total += 1
+    def load_validation(self, seed: int) -> list[Sample]:
+        """The validation samples of epoch 0's first window, in artifact order, as many as fit a VAL_SHARE of the
+        cache (copies: a view would keep its whole shard in memory). Where every shard fits one window these are
+        the first validation samples of the artifact."""
+        self.enter(seed, 0, 0)
+        window = set(self.stream.windows(seed, 0)[0])
+        budget, used, val = self.stream.cache_bytes // VAL_SHARE, 0, []
+        for index in self.val_indices:
+            if self.stream.shard_of(index) not in window:
+                continue
+            s = self.stream.sample(index)
             size = shard_bytes(s.input_ids.numel(), s.aux_hidden.shape[-1] + s.final_hidden.shape[-1])
-            if val_bytes + size <= val_budget:  # copies: a view would keep its whole shard in memory
-                val.append(Sample(*(t.clone() for t in (s.input_ids, s.loss_mask, s.aux_hidden, s.final_hidden))))
-                val_bytes += size
-        else:
-            train.append(index)
-            lengths.append(s.input_ids.numel())
-            counts += token_counts((s,), vocab_size)
-    return TrainData(stream=stream, train=train, lengths=lengths, val=val, val_total=val_total, counts=counts)
+            if used + size > budget:
+                break
+            val.append(Sample(*(t.clone() for t in (s.input_ids, s.loss_mask, s.aux_hidden, s.final_hidden))))
+            used += size
+        return val
+
+
+def plan_features(stream: FeatureStream, val_every: int, vocab_size: int) -> TrainData:
+    """Split the artifact's samples into train / validation and count the train samples' supervised token ids,
+    from its index alone (a features artifact still being extracted has one before its first shard)."""
+    index = stream.reader.index()
+    stream.set_starts(index.shard_starts.tolist())
+    held_out = is_validation(torch.arange(len(index.offsets) - 1), val_every)  # [S] bool
+    lengths = index.lengths
+    train = (~held_out).nonzero().flatten().tolist()
+    return TrainData(stream=stream, train=train, lengths=[lengths[i] for i in train],
+                     val_indices=held_out.nonzero().flatten().tolist(),
+                     counts=index.supervised_counts(~held_out, vocab_size))
 
 
 def epoch_plan(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
@@ -134,8 +144,15 @@ class BatchStream:
             self._plan_epoch, self._plan = epoch, plan
         return self._plan
 
-    def batches_per_epoch(self) -> int:
-        return len(self._plan_for(self.position.epoch))
+    def batches_per_epoch(self, epoch: int | None = None) -> int:
+        return len(self._plan_for(self.position.epoch if epoch is None else epoch))
+
+    def upcoming(self) -> tuple[int, int]:
+        """(epoch, window) of the batch `next` returns next."""
+        plan = self._plan_for(self.position.epoch)
+        if self.position.index >= len(plan):
+            return self.position.epoch + 1, self._plan_for(self.position.epoch + 1)[0][0]
+        return self.position.epoch, plan[self.position.index][0]
 
     def next(self) -> list[int]:
         plan = self._plan_for(self.position.epoch)

@@ -97,7 +97,7 @@ def resolve(spec: Spec, settings: Settings) -> Spec:
 def open_features(spec: Spec, settings: Settings) -> tuple[FeatureReader, Layout]:
     """The features reader and its layout, after checking that the target here is the one they were extracted
     from (config and tokenizer/chat-template hashes, sizes)."""
-    reader = FeatureReader(open_artifact(spec.features, settings))
+    reader = FeatureReader(open_artifact(spec.features, settings), stall_s=settings.stream_stall_s)
     layout = reader.layout
     target = spec.target or layout.target
     cfg = json.loads((resolve_target(target) / "config.json").read_text())

@@ -37,8 +37,14 @@ from eyas.store import Artifact, open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import load_target_head, resolve_target
 from eyas.ttt import label_rows, target_top, ttt_forward
-from services.trainer.checkpoint import restore, resume_source, save_checkpoint
-from services.trainer.data import BatchStream, DataPosition, TrainData, scan_features, shard, total_steps
+from services.trainer.checkpoint import (
+    load_validation,
+    restore,
+    resume_source,
+    save_checkpoint,
+    save_validation,
+)
+from services.trainer.data import BatchStream, DataPosition, TrainData, plan_features, shard, total_steps
 from services.trainer.spec import Spec, open_features, resolve
 from services.trainer.vocab import coverage, select_vocab
 
@@ -113,20 +119,37 @@ def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: tor
     return drafter
 
 
+def _check_stream(spec: Spec, reader: FeatureReader) -> None:
+    """A hand-off's windows must fit the trainer's cache twice over (the window read and the next)."""
+    if reader.stream is not None and 2 * reader.stream.window_bytes > spec.cache_gb * (1 << 30):
+        raise ValueError(f"cache_gb={spec.cache_gb:g} is smaller than the features stream's max_store_gb="
+                         f"{2 * reader.stream.window_bytes / (1 << 30):g}: the trainer holds two of its windows")
+
+
+def _check_epochs(spec: Spec, data: TrainData, total: int) -> None:
+    """An extractor that recomputes produces its own count of epochs: the training must fit them."""
+    available = data.stream.epochs_available()
+    if available is None:
+        return
+    batches = BatchStream(data.lengths, spec.batch_tokens, spec.seed, windows=data.windows(spec.seed))
+    if total > sum(batches.batches_per_epoch(e) for e in range(available)):
+        raise ValueError(f"{total} steps need more than the {available} epochs the features stream extracts "
+                         f"(extract spec stream.epochs): raise it, or train fewer steps or epochs")
+
+
 def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
+    _check_stream(spec, reader)
     stream = FeatureStream(reader, int(spec.cache_gb * (1 << 30)))
-    data = scan_features(stream, spec.val_every, layout.vocab_size)
+    data = plan_features(stream, spec.val_every, layout.vocab_size)
     if not data.train:
         raise ValueError(f"features {spec.features}: no training samples (val_every={spec.val_every})")
-    if len(data.val) < data.val_total:
-        log.warning("validating on %d of %d validation samples (what fits a quarter of cache_gb=%g)",
-                    len(data.val), data.val_total, spec.cache_gb)
     target = spec.target or layout.target
     embed, head = load_target_head(target)
     used = select_vocab(data.counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
     drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.norm_flags())
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
+    _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
                          vocab_coverage=coverage(data.counts, used), total_steps=total)
 
@@ -201,15 +224,23 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     optimizer = torch.optim.AdamW(params, lr=spec.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     fields = training_fields(spec)
     data = setup.data
-    info = {"total_steps": setup.total_steps, "train_samples": len(data.train), "val_samples": len(data.val),
-            "vocab_coverage": setup.vocab_coverage, "device": str(device), "processes": world,
-            "feature_windows": len(data.stream.windows(spec.seed, 0))}
-
     step, position, history = 0, DataPosition(), {"train": [], "val": []}
     source = resume_source(spec, output, settings)
     if source is not None:
         step, position, history = restore(source, drafter, optimizer, names, fields)
         log.info("resuming from %s at step %d", source.uri, step)
+    # Where the features are deleted as training consumes them, the validation samples are kept with the
+    # checkpoints: a resumed run reads them there, not from shards that may be gone.
+    releases = data.stream.releases
+    data.val = (load_validation(source) if source is not None else None) or data.load_validation(spec.seed)
+    if len(data.val) < len(data.val_indices):
+        log.warning("validating on %d of %d validation samples (those of the first window that fit a quarter of "
+                    "cache_gb=%g)", len(data.val), len(data.val_indices), spec.cache_gb)
+    if releases and rank == 0:
+        save_validation(output, data.val)
+    info = {"total_steps": setup.total_steps, "train_samples": len(data.train), "val_samples": len(data.val),
+            "vocab_coverage": setup.vocab_coverage, "device": str(device), "processes": world,
+            "feature_windows": len(data.stream.windows(spec.seed, 0))}
 
     tops_train, tops_val = TargetTopCache(data.sample, head), TargetTopCache(data.val.__getitem__, head)
     if step == 0:  # where training starts from, for the record
@@ -221,9 +252,17 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, position, windows)
     total, K, start = setup.total_steps, spec.ttt_steps, step
     window = None
+    if releases and rank == 0 and step < total:  # windows a run before this one finished (it may have crashed
+        data.stream.release_before(spec.seed, *stream.upcoming())  # between its checkpoint and the deletion)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=True if rank else None)
     while step < total:
         t0 = time.perf_counter()
+        if releases and window is not None and stream.upcoming() != window:
+            # leaving a window whose shards are deleted once used: commit a checkpoint past it first, so a crash
+            # never needs a deleted shard (only rank 0 writes; every rank has left the window)
+            if rank == 0:
+                save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
+                data.stream.release_before(spec.seed, *stream.upcoming())
         global_batch = stream.next()
         if stream.window != window:  # the next window of shards: load it, fetch the one after meanwhile
             window = stream.window
@@ -250,7 +289,8 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         elapsed = time.perf_counter() - t0
         acc = (stats[2 + K: 2 + 2 * K] / stats[2 + 2 * K: 2 + 3 * K].clamp(min=1)).tolist()
         entry = {"step": step, "loss": float(stats[0]) / denom, "acc": acc, "lr": lr,
-                 "tokens_per_s": float(stats[-1]) / elapsed}
+                 "tokens_per_s": float(stats[-1]) / elapsed,
+                 "samples": [data.train[p] for p in global_batch]}  # artifact order: what each step trained on
         history["train"].append(entry)
         if spec.val_interval and step % spec.val_interval == 0 or step == total:
             history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
