@@ -75,8 +75,9 @@ class StageSpec(BaseModel):
         return integral_floats(cls, data)
 
     def hands_off_early(self) -> bool:
-        """Whether the next stage of `then` may start on this job's output as soon as the job starts (the output is
-        readable while written). The orchestration then submits it at this job's start, to run beside it."""
+        """Whether the next stage of `then` may start on this job's output before the job ends (the output is
+        readable while written): the stage calls StageContext.hand_off when it is, and the orchestration runs the
+        next job beside this one."""
         return False
 
 
@@ -101,6 +102,9 @@ class StageContext:
     # share(ids, helpers, min_chunk): the run's source of work items, shared with up to `helpers` other workers
     # where the deployment has them (their part runs the stage's `assist`)
     share: Share = local_share
+    # hand_off(): this job's output can be read while it is written (a features stream was announced): the next
+    # stage of its `then` may start now (where a spec hands off early: StageSpec.hands_off_early)
+    hand_off: Callable[[], Any] = lambda: None
     metrics: dict[str, Any] = field(default_factory=dict)
     _last_progress: float = 0.0
 

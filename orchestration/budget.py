@@ -12,14 +12,18 @@ In its first seconds the run measures what each stage's time is made of, with th
 and then sizes the prompts, the evaluation prompts and, for budgets too small for one batch, the answer length, so
 that the whole run fits at the trainer's epochs; what is left buys more epochs. What one
 prompt costs in tokens (the constants below) was measured on the bundled target; bench/README.md ("eyas run
---minutes") has the plans against the times they took.
+--minutes") has the plans against the times they took. The planned features, against the store's disk cap, decide
+how they reach training (`features_policy`): cached whole, or streamed to a train job running beside extraction.
 """
 from __future__ import annotations
 
 import math
 import time
+import typing
 from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
+from eyas.features import shard_bytes
 from services.trainer.data import total_steps
 from services.trainer.spec import CPU_PRESET
 from services.trainer.spec import Spec as TrainSpec
@@ -54,6 +58,11 @@ TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 # the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
 # 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
 VAL_PASSES = 10
+FEATURE_AUX_LAYERS = 3  # the extractor's default aux layers (services/extractor/spec.py: aux_layers)
+# cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
+# trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
+FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
+FEATURES_POLICIES = ("auto", *typing.get_args(FeaturesPolicy))  # auto: cache when the features fit the store
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,23 @@ def decode_step_s(rates: Rates, rows: int, batch: int) -> float:
 def sample_tokens(max_tokens: int) -> float:
     """Tokens of one conversation as extraction and training see it: the rendered prompt and its answer."""
     return PROMPT_TOKENS + ANSWER_FILL * max_tokens
+
+
+def features_gb(prompts: int, max_tokens: int, hidden: int, n_aux: int = FEATURE_AUX_LAYERS) -> float:
+    """The planned features in GiB: the prompts' tokens as extraction sees them, each taking what a shard stores of
+    it (n_aux aux layers and the final one, `hidden` bf16 values each; its id and loss mask)."""
+    return shard_bytes(round(prompts * sample_tokens(max_tokens)), (n_aux + 1) * hidden) / (1 << 30)
+
+
+def features_policy(asked: str, planned_gb: float, cap_gb: float) -> tuple[FeaturesPolicy, str]:
+    """How the features reach training, and why. A policy asked for wins; auto caches them when they fit the
+    store's cap, else recomputes them every epoch while training (the store then holds at most the cap)."""
+    sizes = f"planned features {planned_gb:.2f} GB, store cap {cap_gb:.2f} GB"
+    if asked != "auto":
+        return typing.cast(FeaturesPolicy, asked), f"asked for ({sizes})"
+    if planned_gb <= cap_gb:
+        return "cache", f"the features fit the store ({sizes})"
+    return "recompute", f"the features do not fit the store ({sizes})"
 
 
 def train_steps(prompts: int, max_tokens: int, epochs: float, steps: int | None = None) -> int:

@@ -2,7 +2,8 @@
 
 submit():  validate a spec (and confine it: eyas.confine), create the job record (queued), hand it to the
            dispatcher.
-execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then`.
+execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then` (as soon
+           as the stage calls StageContext.hand_off instead, for a stage whose output is readable while written).
 assist():  a helper's share of a running job's work (a chunk task of the service mode: orchestration.workshare).
 A redelivered job (its worker died) runs again into the same deterministic prefix; an artifact whose manifest is
 already committed there is reused, so it is written exactly once. A worker parses and confines a job's spec again
@@ -16,6 +17,7 @@ import math
 import os
 import socket
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -25,7 +27,7 @@ from eyas.coordination import Work
 from eyas.keys import safe_key
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
-from eyas.stage import Cancelled, StageContext
+from eyas.stage import Cancelled, StageContext, StageSpec
 from eyas.store import Artifact, ObjectStore
 from orchestration.coordination import Coordination, coordination_for
 from orchestration.jobs import (
@@ -151,6 +153,33 @@ def this_worker() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def runs_beside_parent(jobs: JobStore, job_id: str, settings: Settings) -> bool:
+    """Whether a job was handed its input while its parent still writes it (the parent's spec hands off early):
+    it must run beside its parent, not after it."""
+    parent_id = jobs.get(job_id).parent
+    if parent_id is None:
+        return False
+    parent = jobs.get(parent_id)
+    return parse_spec(parent.stage, parent.spec, settings).hands_off_early()
+
+
+def _submit_next(spec: StageSpec, job_id: str, input_uri: str, jobs: JobStore, dispatch: Dispatch,
+                 settings: Settings) -> str | None:
+    """Submit the next stage of `then` on `input_uri`, unless it was already: its id derives from this job's, so a
+    redelivered task, or the end of a job that handed off at its start, never enqueues it twice. Its id, or None
+    when `then` is empty."""
+    if not spec.then:
+        return None
+    name, overrides = _next_spec(spec.then[0])
+    next_job = next_job_id(job_id, name)
+    try:
+        jobs.get(next_job)
+    except JobNotFound:
+        nxt_spec = {**overrides, get_stage(name).input_field: input_uri, "then": spec.then[1:]}
+        submit(name, nxt_spec, jobs, dispatch, settings, parent=job_id, job_id=next_job)
+    return next_job
+
+
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
             output: Artifact | None = None, coordination: Coordination | None = None) -> JobRecord:
     job = jobs.get(job_id)
@@ -168,6 +197,10 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
                        share=coordination.share(job.stage, job_id, job.attempts))
     try:
         spec = parse_spec(job.stage, job.spec, settings)
+        # A stage whose output is readable while written says so once it is (the extractor, after announcing a
+        # features stream): the next stage starts then, beside this job. If this job then fails or is cancelled,
+        # the next one is left alone: it learns so from the store and ends.
+        ctx.hand_off = partial(_submit_next, spec, job_id, output.uri, jobs, dispatch, settings)
         if output.exists("manifest.json"):
             # A redelivered task whose artifact was already committed: reuse it, write nothing again.
             manifest = read_manifest(output)
@@ -183,17 +216,7 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
         log.exception("job %s failed", job_id)
         transition(jobs, job_id, "failed", error=f"{type(e).__name__}: {e}"[:2000], metrics=ctx.metrics)
         raise
-    next_job = None
-    if spec.then:
-        # The next job's id derives from this one, so a redelivered task never enqueues it twice.
-        name, overrides = _next_spec(spec.then[0])
-        next_job = next_job_id(job_id, name)
-        try:
-            jobs.get(next_job)
-        except JobNotFound:
-            nxt_stage = get_stage(name)
-            nxt_spec = {**overrides, nxt_stage.input_field: result_uri, "then": spec.then[1:]}
-            submit(name, nxt_spec, jobs, dispatch, settings, parent=job_id, job_id=next_job)
+    next_job = _submit_next(spec, job_id, result_uri, jobs, dispatch, settings)
     return transition(jobs, job_id, "succeeded", metrics={**ctx.metrics, **metrics}, artifacts=artifacts,
                       next_job=next_job)
 

@@ -3,16 +3,24 @@
 The run fits a time budget (`--minutes`, default 10): it measures this machine's rates in its first seconds and
 sizes the prompts and the evaluation to fit (orchestration/budget.py), prints the plan, and ends with the stage
 times it took beside the plan's. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a
-local directory store. Every stage runs through the same pipeline code as the services.
+local directory store. Every stage runs through the same pipeline code as the services. When the planned features
+do not fit the store's disk cap (`--store-gb`), extraction and training run together on a bounded window of them
+(`--features-policy`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from eyas.target import BUNDLED
+
+if TYPE_CHECKING:
+    from orchestration.budget import FeaturesPolicy
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,10 +41,48 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=None,
                    help="MT-bench prompts to evaluate on (default: the budget's plan, 20 at 10 minutes)")
+    from orchestration.budget import FEATURES_POLICIES
+
+    p.add_argument("--features-policy", choices=FEATURES_POLICIES, default="auto",
+                   help="how the features reach training: cache (extract them all, then train), first_epoch (train on "
+                   "the shards as they land and keep them for later epochs), recompute (extract every epoch again "
+                   "while training, the store holding at most --store-gb); auto: cache when the planned features fit "
+                   "--store-gb, else recompute (default: %(default)s)")
+    p.add_argument("--store-gb", type=_positive, default=None,
+                   help="disk for the features in the store, GiB (default: half the free space of the workdir's "
+                   "filesystem)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def half_free_gb(path: Path) -> float:
+    """Half the free space of the filesystem `path` is (or will be) on, in GiB."""
+    path = path.resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return shutil.disk_usage(existing).free / 2 / (1 << 30)
+
+
+def hand_off_features(extract: dict[str, Any], train: dict[str, Any], policy: FeaturesPolicy,
+                      cap_gb: float) -> None:
+    """A streaming policy into the specs: the extract job streams its features to the train job (its `then`, which
+    then starts with it), for the train job's epochs and shuffle seed, keeping at most `cap_gb` in the store; the
+    train job's cache holds two windows of half of it. `cache` changes nothing."""
+    if policy == "cache":
+        return
+    from services.trainer.spec import Spec as TrainSpec
+
+    extract["stream"] = {"policy": policy, "epochs": math.ceil(train["epochs"]), "seed": train.get("seed", 0),
+                         "max_store_gb": cap_gb}
+    train["cache_gb"] = max(train.get("cache_gb", TrainSpec.model_fields["cache_gb"].default), cap_gb)
 
 
 def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
@@ -58,10 +104,14 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    from eyas.target import resolve_target
     from orchestration.budget import (
         ANSWER_TOKENS,
         DECODE_PROMPTS,
+        FEATURE_AUX_LAYERS,
         batches,
+        features_gb,
+        features_policy,
         measure_rates,
         plan_run,
         rates_line,
@@ -99,11 +149,20 @@ def run_pipeline(args: argparse.Namespace) -> int:
         "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
     }
     apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
+    hidden = json.loads((resolve_target(args.target) / "config.json").read_text())["hidden_size"]
+    n_aux = len(extract.get("aux_layers") or ()) or FEATURE_AUX_LAYERS
+    planned_gb = features_gb(num_prompts, max_tokens, hidden, n_aux)
+    cap_gb = args.store_gb or half_free_gb(args.workdir)
+    policy, why = features_policy(args.features_policy, planned_gb, cap_gb)
+    print(f"features: {policy}: {why}")
+    hand_off_features(extract, train, policy, cap_gb)
     spec["then"] = [extract, train, evaluate]
     settings = command_line_settings("generate", spec, args.workdir)
     jobs = EmbeddedRunner(settings).run_job("generate", spec)
     print()
-    for job in jobs:  # each job is created when the one before it succeeds, and last updated when it ends
+    # each job is created when the one before it succeeds (a streamed train job: when extraction starts), and last
+    # updated when it ends
+    for job in jobs:
         took = job.updated_at - job.created_at
         planned = plan.seconds.get(job.stage)
         print(f"  {job.stage:<9} {job.state:<10} {took:6.0f} s (planned {planned:.0f} s)  "

@@ -18,7 +18,7 @@ import redis
 from eyas.settings import Settings
 from eyas.store import ObjectStore, S3Store
 from orchestration.coordination import Coordination, coordination_for
-from orchestration.execution import Dispatch, execute
+from orchestration.execution import Dispatch, execute, runs_beside_parent
 from orchestration.jobs import JobStore, RedisJobStore
 from orchestration.lease import Leases
 
@@ -55,8 +55,9 @@ def service_runtime(settings: Settings) -> Runtime:
 
 
 class BackgroundExecutor:
-    """Embedded mode behind an API: jobs (and the stages of their `then`) run one at a time in a daemon thread.
-    On start it picks up the jobs a previous process left queued or running, as a worker would after a crash."""
+    """Embedded mode behind an API: jobs (and the stages of their `then`) run one at a time in a daemon thread, but
+    for a job handed its input while its parent still writes it, which runs beside the parent in a thread of its
+    own (orchestration.execution.runs_beside_parent). On start it picks up the jobs a previous process left queued or running, as a worker would after a crash."""
 
     def __init__(self, jobs: JobStore, store: ObjectStore, settings: Settings):
         self.jobs, self.store, self.settings = jobs, store, settings
@@ -68,14 +69,20 @@ class BackgroundExecutor:
         self._thread.start()
 
     def dispatch(self, _stage: str, job_id: str) -> None:
-        self._queue.put(job_id)
+        if runs_beside_parent(self.jobs, job_id, self.settings):
+            threading.Thread(target=self._execute, args=(job_id,), name=f"eyas-{job_id}", daemon=True).start()
+        else:
+            self._queue.put(job_id)
+
+    def _execute(self, job_id: str) -> None:
+        try:
+            execute(job_id, self.jobs, self.store, self.settings, self.dispatch)
+        except Exception:  # recorded on the job by execute; the thread lives on
+            log.exception("job %s failed", job_id)
 
     def _loop(self) -> None:
         while (job_id := self._queue.get()) is not None:
-            try:
-                execute(job_id, self.jobs, self.store, self.settings, self.dispatch)
-            except Exception:  # recorded on the job by execute; the thread lives on
-                log.exception("job %s failed", job_id)
+            self._execute(job_id)
 
     def alive(self) -> None:
         if not self._thread.is_alive():

@@ -9,17 +9,22 @@ import pytest
 
 from orchestration.budget import (
     EPOCHS,
+    FEATURE_AUX_LAYERS,
     MAX_EPOCHS,
     VAL_PASSES,
     Rates,
     batches,
+    features_gb,
+    features_policy,
     plan_run,
+    sample_tokens,
     stage_seconds,
     train_steps,
     val_interval,
     val_passes,
 )
-from orchestration.run_command import apply_overrides
+from orchestration.run_command import apply_overrides, hand_off_features
+from services.trainer.spec import Spec as TrainSpec
 
 # about what a quiet 2-core machine measures with the bundled target
 QUIET = Rates(decode_tok_s=270.0, decode_half_tok_s=190.0, forward_tok_s=2500.0, train_tok_s=700.0,
@@ -95,3 +100,34 @@ def test_set_overrides_reach_the_stage_specs_and_a_bad_one_is_named():
                      "evaluate": {"prompts": "bundled:sharegpt"}}
     with pytest.raises(SystemExit, match="'trian.lr=1'"):
         apply_overrides(specs, ["trian.lr=1"])
+
+
+def test_planned_features_take_what_a_shard_stores_per_token():
+    hidden = 576  # the bundled target's width
+    per_token = (FEATURE_AUX_LAYERS + 1) * hidden * 2 + 5  # bf16 aux and final states, int32 id, uint8 mask
+    assert features_gb(1000, 96, hidden) == pytest.approx(1000 * sample_tokens(96) * per_token / (1 << 30), rel=1e-6)
+    assert features_gb(1000, 96, hidden, n_aux=5) > features_gb(1000, 96, hidden)
+
+
+def test_features_are_cached_when_they_fit_the_store_else_recomputed_unless_a_policy_is_asked_for():
+    assert features_policy("auto", planned_gb=3.0, cap_gb=4.0)[0] == "cache"
+    policy, why = features_policy("auto", planned_gb=16.0, cap_gb=4.0)
+    assert policy == "recompute" and "16.00 GB" in why and "4.00 GB" in why
+    assert features_policy("first_epoch", planned_gb=16.0, cap_gb=4.0)[0] == "first_epoch"
+    assert features_policy("cache", planned_gb=16.0, cap_gb=4.0)[0] == "cache"
+    assert features_policy("recompute", planned_gb=1.0, cap_gb=4.0)[0] == "recompute"
+
+
+def test_a_streaming_policy_reaches_the_extract_and_train_specs():
+    extract, train = {"stage": "extract"}, {"stage": "train", "epochs": 3.4}
+    hand_off_features(extract, train, "cache", 4.0)
+    assert extract == {"stage": "extract"} and train == {"stage": "train", "epochs": 3.4}
+
+    hand_off_features(extract, train, "recompute", 4.0)
+    assert extract["stream"] == {"policy": "recompute", "epochs": 4, "seed": 0, "max_store_gb": 4.0}
+    assert train["cache_gb"] == TrainSpec.model_fields["cache_gb"].default  # the default already holds 2 windows
+
+    extract, train = {}, {"epochs": 2.0, "seed": 7}
+    hand_off_features(extract, train, "first_epoch", 1000.0)
+    assert extract["stream"] == {"policy": "first_epoch", "epochs": 2, "seed": 7, "max_store_gb": 1000.0}
+    assert train["cache_gb"] == 1000.0  # two windows of half the cap

@@ -18,8 +18,8 @@ from eyas.settings import Settings
 from eyas.stage import StageContext
 from eyas.store import Artifact, LocalStore, open_artifact
 from eyas.streaming import FeatureStream, WindowCache
-from eyas.windows import shard_windows
 from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
+from eyas.windows import shard_windows
 from services.trainer import core
 from services.trainer.data import BatchStream, DataPosition, plan_features
 from services.trainer.spec import Spec

@@ -149,6 +149,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     if spec.stream is not None:
         stream = stream_plan(spec.stream, plan, layout.to_dict(), job.width, job.template_kwargs)
         announce(stream, writer)
+        ctx.hand_off()  # a train job in `then` may start on the shards as they land
     total = plan.counts["tokens"] * (stream.epochs if stream else 1)
     try:
         if n == 1:

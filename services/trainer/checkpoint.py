@@ -114,7 +114,7 @@ def restore(source: Artifact, drafter: Drafter, optimizer: torch.optim.Optimizer
 
 def save_validation(output: Artifact, val: list[Sample]) -> None:
     """Keep the validation samples beside the checkpoints: a resumed run cannot read them from deleted shards."""
-    if not output.exists(VALIDATION):
+    if val and not output.exists(VALIDATION):
         buf = ShardBuffer()
         for sample in val:
             buf.add(sample)

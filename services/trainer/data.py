@@ -167,8 +167,14 @@ class BatchStream:
 
 def total_steps(lengths: list[int], batch_tokens: int, seed: int, epochs: float, steps: int | None = None,
                 windows: Windows | None = None) -> int:
-    """A train job's optimizer steps: `steps` when given, else `epochs` times the first epoch's batches over train
-    samples of these lengths (read in these windows), rounded, at least one."""
+    """A train job's optimizer steps: `steps` when given, else the batches of `epochs` epochs over train samples of
+    these lengths (read in these windows): every batch of each whole epoch, and the fraction of the next one's,
+    rounded; at least one."""
     if steps:
         return steps
-    return max(1, round(epochs * BatchStream(lengths, batch_tokens, seed, windows=windows).batches_per_epoch()))
+    batches = BatchStream(lengths, batch_tokens, seed, windows=windows)
+    whole = int(epochs)
+    n = sum(batches.batches_per_epoch(e) for e in range(whole))
+    if epochs > whole:
+        n += round((epochs - whole) * batches.batches_per_epoch(whole))
+    return max(1, n)

@@ -243,7 +243,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
             "feature_windows": len(data.stream.windows(spec.seed, 0))}
 
     tops_train, tops_val = TargetTopCache(data.sample, head), TargetTopCache(data.val.__getitem__, head)
-    if step == 0:  # where training starts from, for the record
+    if step == 0 and data.val:  # where training starts from, for the record
         history["val"].append({"step": 0, **validate(spec, setup, tops_val, device)})
     model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing)
     if world > 1:
@@ -290,9 +290,10 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         acc = (stats[2 + K: 2 + 2 * K] / stats[2 + 2 * K: 2 + 3 * K].clamp(min=1)).tolist()
         entry = {"step": step, "loss": float(stats[0]) / denom, "acc": acc, "lr": lr,
                  "tokens_per_s": float(stats[-1]) / elapsed,
-                 "samples": [data.train[p] for p in global_batch]}  # artifact order: what each step trained on
+                 # what each step trained on: its epoch, and its samples' indices in artifact order
+                 "epoch": stream.window[0], "samples": [data.train[p] for p in global_batch]}
         history["train"].append(entry)
-        if spec.val_interval and step % spec.val_interval == 0 or step == total:
+        if data.val and (spec.val_interval and step % spec.val_interval == 0 or step == total):
             history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
         if rank == 0 and (step % spec.checkpoint_every == 0 or step == total):
             save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
@@ -304,6 +305,8 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
                 metrics.update(val_loss=history["val"][-1]["loss"], val_acc=history["val"][-1]["acc"])
             report(step, total, metrics)
     bar.close()
+    if releases and rank == 0:  # the final checkpoint is committed: nothing read so far is needed again
+        data.stream.release_before(spec.seed, *stream.upcoming())
     if rank == 0 and source is not None and source is not output and step == start:
         # a finished run resumed from another artifact (e.g. one trained across nodes): its last checkpoint is
         # this job's result
