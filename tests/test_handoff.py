@@ -176,3 +176,22 @@ def test_first_epoch_trains_as_shards_land_and_keeps_them_for_later_epochs(datas
     for epoch in (0, 1):
         assert sorted(i for e in h["train"] if e["epoch"] == epoch for i in e["samples"]) == train_ids
     assert json.loads((drafter / "manifest.json").read_text())["metrics"]["feature_windows"] > 1
+
+
+def test_an_extract_job_with_a_stream_starts_its_train_job_beside_it(dataset, tmp_path):
+    """Embedded (`eyas extract` with `then: train`): the train job starts once the stream is announced, runs beside
+    the extract job, and both succeed; the features keep nothing but the index and the announcement."""
+    from eyas.settings import Settings
+    from orchestration.embedded import EmbeddedRunner
+
+    cap_gb = 3.3 / 1024
+    extract, train = specs(dataset, tmp_path / "unused", cap_gb, "recompute")
+    del train["features"]
+    jobs = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path, Path(dataset)])).run_job(
+        "extract", {**extract, "then": [{"stage": "train", **train}]})
+    assert [(j.stage, j.state) for j in jobs] == [("extract", "succeeded"), ("train", "succeeded")]
+    ext, trn = jobs
+    assert trn.created_at < ext.updated_at, "the train job was submitted while the extract job ran"
+    features = open_artifact(ext.artifacts["output"])
+    assert not [n for n in features.names() if n.startswith("epoch-")]
+    assert json.loads(open_artifact(trn.artifacts["output"]).get_bytes("manifest.json"))["counts"]["steps"] > 0
