@@ -3,7 +3,7 @@ plain alternative of reading every shard into memory (`safetensors.torch.load` o
 on the same synthetic features, each in a fresh process.
 
 The trainer's path is the code `train()` runs: `FeatureReader` (manifest, sha256 and NaN checks) → `FeatureStream`
-with a cache the features fit (one window) → `scan_features`, then every train sample read from the loaded window.
+with a cache the features fit (one window) → `plan_features`, then every train sample read from the loaded window.
 FeatureReader opens shards with safetensors' `load_file`, which maps the file: samples are views of file-backed
 pages that the kernel can drop and read again, so features larger than RAM still train (slower, from disk) instead
 of the process being killed. Both paths touch every value once after loading.
@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from eyas.features import FeatureReader, Sample, ShardBuffer, shard_name
+from eyas.features import FeatureReader, Index, Sample, ShardBuffer, shard_name
+from eyas.handoff import INDEX
 from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout
 from eyas.manifest import ArtifactWriter, Manifest
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
-from services.trainer.data import scan_features
+from services.trainer.data import plan_features
 
 TOKENS_PER_SAMPLE = 384
 
@@ -44,10 +45,11 @@ def write_features(dest: Path, gib: float, hidden: int, shard_bytes: int = 256 <
     per_token = 4 * hidden * 2  # three aux layers + the final hidden state, bf16
     samples = int(gib * (1 << 30) / (per_token * TOKENS_PER_SAMPLE))
     writer = ArtifactWriter(open_artifact(str(dest)))
-    buf, shards = ShardBuffer(max_bytes=shard_bytes), 0
+    buf, shards, tokens = ShardBuffer(max_bytes=shard_bytes), 0, []
     with tempfile.TemporaryDirectory() as tmp:
         def flush():
             nonlocal shards
+            tokens.append([(s.input_ids, s.loss_mask) for s in buf.samples])  # the index's
             path = Path(tmp) / shard_name(shards)
             buf.write(path)
             writer.put_file(path.name, path)
@@ -64,6 +66,7 @@ def write_features(dest: Path, gib: float, hidden: int, shard_bytes: int = 256 <
                 flush()
         if buf.samples:
             flush()
+    writer.put_bytes(INDEX, Index.of(tokens).to_bytes())
     writer.commit(Manifest(kind="features", id="bench", layout=layout.to_dict(),
                            counts={"samples": samples, "tokens": samples * TOKENS_PER_SAMPLE}))
     return samples, shards
@@ -83,9 +86,9 @@ def child(mode: str, features: Path) -> None:
     else:
         with tempfile.TemporaryDirectory() as cache:
             reader = FeatureReader(open_artifact(str(features)), cache_dir=Path(cache))
-            data = scan_features(FeatureStream(reader, cache_bytes=1 << 50), 10, 49152)
-            data.enter(0, 0, 0)
-            for s in [data.sample(p) for p in range(len(data.train))] + data.val:
+            data = plan_features(FeatureStream(reader, cache_bytes=1 << 50), 10, 49152)
+            val = data.load_validation(0)
+            for s in [data.sample(p) for p in range(len(data.train))] + val:
                 float(s.aux_hidden.float().sum() + s.final_hidden.float().sum())
             after = _memory_mib()
     print(json.dumps({k: after[k] - base[k] for k in after}))

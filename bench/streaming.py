@@ -27,7 +27,7 @@ from bench.features_memory import write_features  # noqa: E402
 from eyas.features import FeatureReader  # noqa: E402
 from eyas.store import open_artifact  # noqa: E402
 from eyas.streaming import FeatureStream  # noqa: E402
-from services.trainer.data import BatchStream, scan_features  # noqa: E402
+from services.trainer.data import BatchStream, plan_features  # noqa: E402
 
 VAL_EVERY = 10
 
@@ -75,7 +75,7 @@ def child(mode: str, features: Path, cache_bytes: int) -> None:
             fetched = len(reader.shards)
         else:
             stream = FeatureStream(reader, cache_bytes)
-            data = scan_features(stream, VAL_EVERY, 49152)
+            data = plan_features(stream, VAL_EVERY, 49152)
             batches = BatchStream(data.lengths, 4096, seed=0, windows=data.windows(0))
             per_epoch = batches.batches_per_epoch()
             for _ in range(per_epoch):  # one epoch, as the trainer walks it
