@@ -87,9 +87,6 @@ class StreamPlan(BaseModel):
                 g += 1
         return out
 
-    def global_window(self, epoch: int, w: int) -> int:
-        return sum(len(self.windows(e)) for e in range(epoch)) + w
-
 
 def read_plan(artifact: Artifact) -> StreamPlan | None:
     return StreamPlan.model_validate_json(artifact.get_bytes(STREAM)) if artifact.exists(STREAM) else None
@@ -151,10 +148,4 @@ def release(artifact: Artifact, plan: StreamPlan, epoch: int, w: int) -> None:
         artifact.store.delete_prefix(artifact.key(obj))
         artifact.store.delete_prefix(artifact.key(READY + obj + ".json"))
     artifact.put_bytes(consumed_marker(epoch, w), b"")
-
-
-def stored_bytes(artifact: Artifact) -> int:
-    """Feature bytes the stream holds now (its ready shards): what the cap bounds."""
-    return sum(FileEntry.model_validate_json(artifact.store.get_bytes(key)).bytes
-               for key in artifact.store.list(artifact.key(READY)))
 

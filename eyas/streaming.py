@@ -86,7 +86,7 @@ class WindowCache:
 class FeatureStream:
     """A features artifact read window by window through a WindowCache of `cache_bytes` (see the module doc).
 
-    `scan()` visits every sample once in artifact order (its index is the one eyas.features.is_validation splits
+    `scan_windows()` visits every sample once in artifact order (its index is the one eyas.features.is_validation splits
     on); `enter(seed, epoch, w)` loads window w of that epoch's shards (and starts fetching the next window) and
     `sample(i)` reads sample i of the loaded window. Which sample starts each shard comes from the scan, or from
     the artifact's index (`set_starts`). An artifact still being extracted (eyas.handoff) is read in the windows
@@ -136,10 +136,6 @@ class FeatureStream:
                     samples.append((index, sample))
                     index += 1
             yield samples
-
-    def scan(self) -> Iterator[tuple[int, Sample]]:
-        for window in self.scan_windows():
-            yield from window
 
     def windows(self, seed: int, epoch: int) -> list[list[str]]:
         """Epoch `epoch`'s windows: those the extractor produces, for an epoch it produces; else the cache's."""
