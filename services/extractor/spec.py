@@ -2,20 +2,20 @@
 and batched, and how many processes extract."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.device import DTypeName
-from eyas.stage import StageSpec
+from eyas.stage import StageSpec, integral_floats
 from eyas.target import BUNDLED
 
 
 class StreamSpec(BaseModel):
     """Extract while a train job trains on the shards as they land (eyas.handoff)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as StageSpec: JSON says what it means
     policy: Literal["first_epoch", "recompute"] = Field(
         description="first_epoch: extract once, in artifact order, and keep the shards for later epochs; "
         "recompute: extract every epoch again and keep at most max_store_gb of features")
@@ -25,6 +25,12 @@ class StreamSpec(BaseModel):
     max_store_gb: float = Field(16.0, gt=0, le=1_000_000, description="features stored at once, at most (two "
                                 "windows of half this, plus a shard per extractor process); the train job's "
                                 "cache_gb must be at least this")
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: Any) -> Any:
+        return integral_floats(cls, data)
 
 
 class Spec(StageSpec):
