@@ -147,9 +147,10 @@ class FeatureReader:
     ready marker its sha256, and reading a shard waits for it)."""
 
     def __init__(self, artifact: Artifact, expected: Layout | None = None, cache_dir: Path | None = None,
-                 stall_s: float = 3600.0):
+                 stall_s: float = 3600.0, stop: threading.Event | None = None):
         self.artifact, self.stall_s = artifact, stall_s
-        self.closing = threading.Event()  # set: stop waiting for shards not yet extracted
+        self.closing = threading.Event()  # set when the reader is done: a prefetch stops waiting
+        self.stop = stop or threading.Event()  # set by the caller (a cancel): stop waiting as well
         self.stream: StreamPlan | None = read_plan(artifact)
         self.manifest: Manifest | None = None
         if self.stream is None or artifact.exists(MANIFEST):
@@ -185,7 +186,8 @@ class FeatureReader:
         marker's, waiting for that)."""
         entry = self.manifest.files.get(obj) if self.manifest else None
         if entry is None and self.stream is not None:
-            entry = ready_entry(self.artifact, obj, self.stall_s, self.closing.is_set)
+            entry = ready_entry(self.artifact, obj, self.stall_s,
+                                lambda: self.closing.is_set() or self.stop.is_set())
         check_fetched(self.artifact, obj, entry, dest)
 
     def load_shard(self, name: str, local: Path | None = None) -> dict[str, torch.Tensor]:

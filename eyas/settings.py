@@ -70,6 +70,20 @@ class Settings(BaseSettings):
     # endpoint for, on loopback. Only the operator sets it: a job spec never names a program (eyas.confine).
     vllm_command: str | None = None
 
+    # Operator quotas (orchestration.quotas): a job over one is refused at submit with a 422 naming the field and
+    # the cap, its `then` entries too; unset = no cap. Whether a generate job may name no endpoint (its target then
+    # runs in the worker): unset = allowed in embedded mode, forbidden in service mode.
+    allow_in_process_generation: bool | None = None
+    # Prompts a job runs: generate's limit (a prompt file needs one) + synthesize; evaluate's two prompt counts.
+    max_job_prompts: int | None = Field(None, ge=1)
+    # Answer tokens a job asks for: answers (prompts × turns: a prompt file needs max_turns) × generate's
+    # sampling.max_tokens; evaluate's prompts × max_new_tokens.
+    max_job_tokens: int | None = Field(None, ge=1)
+    max_job_epochs: float | None = Field(None, gt=0)  # train's epochs; extract's stream.epochs
+    max_job_steps: int | None = Field(None, ge=1)  # train's steps (a train job without steps runs its epochs)
+    # Wall time of one run of a job: past it the stage stops as at a cancel, and the job fails, saying so.
+    max_job_minutes: float | None = Field(None, gt=0)
+
     @field_validator("input_roots", "allowed_buckets", "allowed_endpoints", mode="before")
     @classmethod
     def _comma_separated(cls, v):

@@ -6,9 +6,15 @@ input artifact), `run`, and optionally `assist` (a helper's share of a run's wor
 context: where the output goes, the settings, how progress is reported (and cancellation noticed), and what the
 stage may coordinate through (eyas.coordination: a concurrency limit per endpoint, a source of work items), each
 built for the deployment. A stage never sees job records, queues or the deployment mode.
+
+Cancellation: the orchestration sets `StageContext.stop` once the job's cancel is requested (it watches the job's
+record while the stage runs); a stage calls `ctx.check()` (or passes it down) at the boundaries of its inner loops
+(decoding steps, training steps, forward batches, prompts), which raises Cancelled there at no cost otherwise, so a
+job stops within a step of the request whatever it is doing.
 """
 from __future__ import annotations
 
+import threading
 import time
 import types
 import typing
@@ -82,7 +88,7 @@ class StageSpec(BaseModel):
 
 
 class Cancelled(RuntimeError):
-    """Raised inside a stage by `StageContext.progress` once the job's cancellation was requested."""
+    """Raised inside a stage by `StageContext.check` (and `progress`) once the job's cancellation was requested."""
 
 
 # (done, total, unit, metrics) → True when the job's cancellation was requested
@@ -106,15 +112,26 @@ class StageContext:
     # stage of its `then` may start now (where a spec hands off early: StageSpec.hands_off_early)
     hand_off: Callable[[], Any] = lambda: None
     metrics: dict[str, Any] = field(default_factory=dict)
+    # set once the job's cancellation was requested (by the orchestration, or by a report that said so)
+    stop: threading.Event = field(default_factory=threading.Event)
     _last_progress: float = 0.0
 
+    def check(self) -> None:
+        """Raise Cancelled if the job's cancellation was requested: cheap (no store round trip), for the stage's
+        inner loops to call between steps, or to pass down to the code that runs them."""
+        if self.stop.is_set():
+            raise Cancelled(f"job {self.job_id} was cancelled")
+
     def progress(self, done: int, total: int, unit: str = "", force: bool = False) -> None:
-        """Report progress (at most once a second) and raise Cancelled if the job's cancellation was requested."""
+        """Report progress (at most once a second) and raise Cancelled if the job's cancellation was requested
+        (at once, whenever the request is already known)."""
+        self.check()
         now = time.monotonic()
         if force or done >= total or now - self._last_progress > 1.0:
             self._last_progress = now
             if self.report(done, total, unit, dict(self.metrics)):
-                raise Cancelled(f"job {self.job_id} was cancelled")
+                self.stop.set()
+                self.check()
 
 
 @dataclass

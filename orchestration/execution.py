@@ -1,7 +1,7 @@
 """Submitting and executing jobs — the one code path behind the API, the Celery tasks, the CLI and `eyas run`.
 
-submit():  validate a spec (and confine it: eyas.confine), create the job record (queued), hand it to the
-           dispatcher.
+submit():  validate a spec (confine it: eyas.confine; hold it to the operator's quotas: orchestration.quotas),
+           create the job record (queued), hand it to the dispatcher.
 execute(): run a job's stage, commit its artifact, record the result, and enqueue the next stage of `then` (as soon
            as the stage calls StageContext.hand_off instead, for a stage whose output is readable while written).
 assist():  a helper's share of a running job's work (a chunk task of the service mode: orchestration.workshare).
@@ -16,6 +16,8 @@ import logging
 import math
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -29,6 +31,7 @@ from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.stage import Cancelled, StageContext, StageSpec
 from eyas.store import Artifact, ObjectStore
+from orchestration.cancel_watch import CancelWatch
 from orchestration.coordination import Coordination, coordination_for
 from orchestration.jobs import (
     TERMINAL,
@@ -41,6 +44,7 @@ from orchestration.jobs import (
     transition,
     update,
 )
+from orchestration.quotas import OverQuota, check_quotas, wall_time_error
 from orchestration.registry import ARTIFACT_DIRS, STAGE_ORDER, get_stage, step_model
 
 log = logging.getLogger(__name__)
@@ -106,10 +110,19 @@ def parse_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
     return parsed
 
 
+def _quotas(stage_name: str, parsed: BaseModel, settings: Settings, where: str = "") -> None:
+    try:
+        check_quotas(stage_name, parsed, settings, where)
+    except OverQuota as e:
+        raise SpecError(e.field, e.value, e.message) from None
+
+
 def validate_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
     """Parse and confine a spec for a stage, and every `then` entry too (each as its stage's spec without the
-    input, which the stage before provides), so a pipeline fails at submit, not hours later."""
+    input, which the stage before provides), then hold each to the operator's quotas (orchestration.quotas), so a
+    pipeline fails at submit, not hours later."""
     parsed = parse_spec(stage_name, spec, settings)
+    steps = [(stage_name, parsed, "")]
     prev = stage_name
     for i, step in enumerate(parsed.then):
         name = step if isinstance(step, str) else step.get("stage")
@@ -119,8 +132,13 @@ def validate_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
             raise SpecError(f"then[{i}]" if isinstance(step, str) else f"then[{i}].stage", name,
                             f"after {prev!r} the next stage must be {expected}")
         if isinstance(step, dict):
-            _confine(_parse(step_model(name), step, f"then[{i}]."), settings, f"then[{i}].")
+            _confine(entry := _parse(step_model(name), step, f"then[{i}]."), settings, f"then[{i}].")
+        else:  # a bare name runs the stage's defaults
+            entry = _parse(step_model(name), {"stage": name}, f"then[{i}].")
+        steps.append((name, entry, f"then[{i}]."))
         prev = name
+    for name, entry, where in steps:
+        _quotas(name, entry, settings, where)
     return parsed
 
 
@@ -139,14 +157,47 @@ def job_output(store: ObjectStore, job: JobRecord) -> Artifact:
     return Artifact(store, safe_key(ARTIFACT_DIRS[job.stage], job.id))
 
 
-def _job_reporter(jobs: JobStore, job_id: str):
-    """The stage's progress sink: progress and live metrics go on the job record; says whether a cancel came."""
+class _WallTime:
+    """The operator's wall-time cap on one run of a job (EYAS_MAX_JOB_MINUTES; none when unset): once the run is
+    past it, `stop` is set, as a cancel sets it, and `passed()` says so."""
+
+    def __init__(self, settings: Settings, stop: threading.Event):
+        minutes = settings.max_job_minutes
+        self.deadline = None if minutes is None else time.monotonic() + 60 * minutes
+        self._reached = threading.Event()
+        self._timer = None
+        if minutes is not None:
+            self._timer = threading.Timer(60 * minutes, lambda: (self._reached.set(), stop.set()))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def passed(self) -> bool:
+        return self._reached.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _job_reporter(jobs: JobStore, job_id: str, over_time: Callable[[], bool] = lambda: False):
+    """The stage's progress sink: progress and live metrics go on the job record; says whether the stage must stop:
+    a cancel came, or the run is `over_time` (the operator's wall-time cap)."""
 
     def report(done: int, total: int, unit: str, metrics: dict[str, Any]) -> bool:
         job = update(jobs, job_id, progress=Progress(done=done, total=total, unit=unit), metrics=metrics)
-        return job.cancel_requested
+        return job.cancel_requested or over_time()
 
     return report
+
+
+def _stopped(jobs: JobStore, job_id: str, settings: Settings, wall: _WallTime, metrics: dict[str, Any],
+             why: str) -> JobRecord:
+    """The record of a run told to stop: failed at the operator's wall-time cap (unless a cancel came too), else
+    cancelled."""
+    if wall.passed() and not jobs.get(job_id).cancel_requested:
+        log.warning("job %s: %s", job_id, wall_time_error(settings))
+        return transition(jobs, job_id, "failed", error=wall_time_error(settings), metrics=metrics)
+    return transition(jobs, job_id, "cancelled", error=why)
 
 
 def this_worker() -> str:
@@ -193,8 +244,11 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
     output = output or job_output(store, job)
     coordination = coordination or coordination_for(settings)
     ctx = StageContext(job_id=job_id, settings=settings, store=store, output=output,
-                       report=_job_reporter(jobs, job_id), attempt=job.attempts, limit=coordination.limit,
+                       attempt=job.attempts, limit=coordination.limit,
                        share=coordination.share(job.stage, job_id, job.attempts))
+    wall = _WallTime(settings, ctx.stop)  # past the operator's cap, ctx.stop is set as by a cancel
+    ctx.report = _job_reporter(jobs, job_id, wall.passed)
+    watch = CancelWatch(jobs, job_id, ctx.stop)  # a cancel request sets ctx.stop at once: ctx.check() raises
     try:
         spec = parse_spec(job.stage, job.spec, settings)
         # A stage whose output is readable while written says so once it is (the extractor, after announcing a
@@ -211,11 +265,17 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
             result_uri, metrics, artifacts = result.output_uri, result.metrics, {"output": result.output_uri,
                                                                                   **result.artifacts}
     except Cancelled as e:
-        return transition(jobs, job_id, "cancelled", error=str(e))
+        return _stopped(jobs, job_id, settings, wall, ctx.metrics, str(e))
     except Exception as e:  # the job record names why; the traceback goes to this worker's log only
+        if ctx.stop.is_set():  # what broke once the stage was told to stop (a wait given up) is the cancel
+            log.info("job %s: cancelled (%s: %s)", job_id, type(e).__name__, e)
+            return _stopped(jobs, job_id, settings, wall, ctx.metrics, f"job {job_id} was cancelled")
         log.exception("job %s failed", job_id)
         transition(jobs, job_id, "failed", error=f"{type(e).__name__}: {e}"[:2000], metrics=ctx.metrics)
         raise
+    finally:
+        watch.close()
+        wall.close()
     next_job = _submit_next(spec, job_id, result_uri, jobs, dispatch, settings)
     return transition(jobs, job_id, "succeeded", metrics={**ctx.metrics, **metrics}, artifacts=artifacts,
                       next_job=next_job)

@@ -109,8 +109,9 @@ class AlreadyEnded(RuntimeError):
 
 
 def request_cancel(store: JobStore, job_id: str) -> JobRecord:
-    """Cancel a job: a queued one is cancelled at once; a running one is marked, and its stage stops at its next
-    progress report (eyas.stage.StageContext.progress). Raises AlreadyEnded for a job that has ended."""
+    """Cancel a job: a queued one is cancelled at once; a running one is marked, and its run, which watches the
+    mark (orchestration.cancel_watch), stops its stage at the stage's next step (eyas.stage.StageContext.check).
+    Raises AlreadyEnded for a job that has ended."""
     job = store.get(job_id)
     if job.state == "queued":
         try:

@@ -66,6 +66,9 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Servic
         "workdir": str(tmp_path / "work"), "input_roots": str(tmp_path), "allowed_endpoints": "http://127.0.0.1:*",
         # short, so a dead worker's task comes back within seconds in the tests
         "visibility_timeout_s": "3", "lease_sweep_s": "0.5",
+        # the API tests queue generate jobs without an endpoint (no worker runs them); tests/test_quotas.py checks
+        # that service mode refuses them by default
+        "allow_in_process_generation": "true",
     }
     settings = Settings(**values)
     S3Store(settings).ensure_bucket()

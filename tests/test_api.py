@@ -298,7 +298,7 @@ def test_embedded_api_runs_and_cancels_jobs(tmp_path: Path, vllm_url: str):
         manifest = read_manifest(open_artifact(job["artifacts"]["output"]), kind="dataset")
         assert manifest.counts["conversations"] == 3 and manifest.id == job_id
 
-        # a running job stops at its next progress report after a cancel
+        # a running job stops within about a second of a cancel (orchestration.cancel_watch)
         slow = {**spec, "limit": 8, "concurrency": 1, "sampling": {"max_tokens": 32}}
         slow_id = client.post("/v1/jobs", json=slow).json()["id"]
         wait_for_job(lambda: client.get(f"/v1/jobs/{slow_id}").json(),

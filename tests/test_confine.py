@@ -137,7 +137,7 @@ def test_redaction_and_the_spec_walk(tree):
 def test_then_entries_are_checked_and_cannot_set_their_input(tree):
     root, outside = tree
     settings = Settings(mode="service", input_roots=[root], s3_bucket="eyas")
-    good = {"prompts": str(root / "p.jsonl")}
+    good = {"prompts": str(root / "p.jsonl"), "endpoint": "http://vllm:8000"}  # (service mode: no in-process target)
     with pytest.raises(SpecError) as e:
         validate_spec("generate", {**good, "then": [{"stage": "extract", "data": "/etc"}]}, settings)
     assert e.value.field == "then[0].data" and "set by the pipeline" in e.value.message

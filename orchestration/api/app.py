@@ -3,7 +3,8 @@
   POST /v1/jobs               body: the stage's job spec (with optional `then`) → 202 {id, status, links}
   GET  /v1/jobs/{id}          the job record: state, progress, metrics, artifact URIs, error
   GET  /v1/jobs?state=&limit= this stage's jobs, newest first
-  POST /v1/jobs/{id}/cancel   queued → cancelled at once; running → stops at its next progress report
+  POST /v1/jobs/{id}/cancel   queued → cancelled at once; running → cancelled within seconds (its stage stops
+                              between steps: orchestration.cancel_watch)
   GET  /healthz  /readyz (broker, job store and object store reachable, else 503: which is down, not where)
   GET  /metrics (Prometheus)   /docs, /openapi.json (each field naming a file or URL carries its allowed pattern)
 

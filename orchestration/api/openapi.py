@@ -3,7 +3,11 @@
   - each field that names a file, object or URL (eyas.confine.Names) carries the pattern this service's settings
     allow (`Policy.pattern`, the expression the check itself applies);
   - `then` is the stages after this one, in pipeline order, each a name or its `then` entry model
-    (orchestration.registry.step_model: its spec without the input).
+    (orchestration.registry.step_model: its spec without the input);
+  - the operator's quotas (orchestration.quotas) a field's own value keeps to are its maximum, there and in the
+    `then` entries, and `endpoint` is required where in-process generation is off. A cap over a sum or product of
+    fields (prompts of two sources, tokens), or one needing a field the spec leaves unset (a prompt file's limit),
+    is submit's alone: the 422 names it.
 It also says what a job's JSON artifacts hold (the evaluator's report: Stage.artifact_models): each model's schema
 under components, named by the job view's `artifacts` entry that points at the document.
 So a request the schema calls valid is one the service takes, and one it calls invalid is refused.
@@ -17,6 +21,7 @@ from fastapi import FastAPI
 
 from eyas.confine import SCHEMA_KEY, Names, Policy
 from eyas.settings import Settings
+from orchestration.quotas import FIELD_CAPS, in_process_generation_allowed
 from orchestration.registry import STAGE_ORDER, get_stage, step_model
 
 
@@ -50,6 +55,35 @@ def _then(schema: dict[str, Any], stage: str) -> None:
         then.update({"prefixItems": entries, "items": False})
 
 
+def _maximum(model: dict[str, Any], path: list[str], cap: float, components: dict[str, Any]) -> None:
+    """Lower the maximum of field `path` (through the models it refers to) of `model` to `cap`."""
+    prop = model.get("properties", {}).get(path[0])
+    if prop is None:
+        return
+    for node in [prop, *prop.get("anyOf", [])]:
+        if len(path) > 1 and "$ref" in node:
+            _maximum(components[node["$ref"].rsplit("/", 1)[1]], path[1:], cap, components)
+        elif len(path) == 1 and node.get("type") in ("integer", "number"):
+            node["maximum"] = min(node.get("maximum", cap), cap)
+
+
+def _quotas(schema: dict[str, Any], stage: str, settings: Settings) -> None:
+    components = schema["components"]["schemas"]
+    body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    models = {stage: components[body["$ref"].rsplit("/", 1)[1]]}
+    models |= {name: components[step_model(name).__name__] for name in STAGE_ORDER[STAGE_ORDER.index(stage) + 1:]}
+    for name, model in models.items():
+        for field, setting in FIELD_CAPS.get(name, ()):
+            if (cap := getattr(settings, setting)) is not None:
+                _maximum(model, field.split("."), cap, components)
+    if stage == "generate" and not in_process_generation_allowed(settings):
+        spec = models[stage]
+        endpoint = spec["properties"]["endpoint"]
+        endpoint.pop("default", None)
+        endpoint.update(next(b for b in endpoint.pop("anyOf") if b.get("type") != "null"))
+        spec["required"] = [*spec.get("required", []), "endpoint"]
+
+
 def _artifacts(schema: dict[str, Any], stage: str) -> None:
     """The job view's `artifacts` (name → URI) names, for each JSON artifact of the stage, the model of the document
     at that URI; the models' schemas go under components (a name another schema holds is an error)."""
@@ -77,6 +111,7 @@ def documented(app: FastAPI, stage: str, settings: Settings) -> Callable[[], dic
         if app.openapi_schema is None:
             schema = plain()
             _then(schema, stage)
+            _quotas(schema, stage, settings)
             _artifacts(schema, stage)
             _patterns(schema, policy)
         return app.openapi_schema

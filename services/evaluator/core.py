@@ -56,7 +56,7 @@ from services.evaluator.model import (
     SecondSetSkipped,
 )
 from services.evaluator.spec import Spec
-from services.evaluator.specdec import PromptIds, eval_prompts, greedy, measure_acceptance, stop_ids
+from services.evaluator.specdec import Check, PromptIds, eval_prompts, greedy, measure_acceptance, stop_ids
 from services.evaluator.wiring import check_wiring
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,16 @@ class Replayed:
 
 
 def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds], max_new_tokens: int,
-              k: int) -> Replayed:
+              k: int, check: Check) -> Replayed:
     """The target's plain greedy outputs, per prompt the run lengths of K_max-chains over them (one teacher-forced
-    pass each; services.evaluator.chains), and their replay for every K ≤ K_max (K_max covers `k`)."""
-    outputs = greedy(target, [p.ids for p in prompts], max_new_tokens, stop_ids(target))
+    pass each; services.evaluator.chains), and their replay for every K ≤ K_max (K_max covers `k`). `check()` runs
+    between decoding steps and between prompts."""
+    outputs = greedy(target, [p.ids for p in prompts], max_new_tokens, stop_ids(target), check=check)
     k_max = max(serving.K_MAX, k)
-    runs = [run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max)
-            for p, out in zip(prompts, outputs, strict=True)]
+    runs = []
+    for p, out in zip(prompts, outputs, strict=True):
+        check()
+        runs.append(run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max))
     return Replayed(prompts, outputs, runs, replay(runs, k_max))
 
 
@@ -143,13 +146,14 @@ def _gap(accuracy: list[float], measured: list[float | None], k: int) -> Accepta
 
 @torch.no_grad()
 def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
-                            steps: int, batch_tokens: int) -> tuple[list[float], int]:
+                            steps: int, batch_tokens: int, check: Check = lambda: None) -> tuple[list[float], int]:
     """Per-TTT-step accuracy over the samples (validation split when val_every is set), read a window of shards
-    at a time through the stream's bounded cache; returns (acc, samples)."""
+    at a time through the stream's bounded cache; returns (acc, samples). `check()` runs before each batch."""
     correct, count, seen = torch.zeros(steps), torch.zeros(steps), 0
     for window in stream.scan_windows():
         samples = [s for i, s in window if val_every is None or is_validation(i, val_every)]
         for idx in eval_plan([s.input_ids.numel() for s in samples], batch_tokens):
+            check()
             res = ttt_forward(drafter, collate([samples[i] for i in idx]), lm_head, steps)
             correct += res.correct.cpu()
             count += res.count.cpu()
@@ -233,16 +237,16 @@ def _accuracy(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter)
         else:
             per_step, samples = teacher_forced_accuracy(
                 drafter, subject.target.model.get_output_embeddings().weight.detach(), stream, val_every, steps,
-                spec.batch_tokens)
+                spec.batch_tokens, ctx.check)
     ctx.metrics.update(per_position_accuracy=per_step)
     return Accuracy(per_step, samples, features_uri, steps)
 
 
-def _acceptance(spec: Spec, settings: Settings, subject: Subject, drafter: Drafter) -> Replayed:
+def _acceptance(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter) -> Replayed:
     """Step 3: the target's greedy output on the prompts, replayed as K-chains for every K ≤ K_max."""
     prompts = eval_prompts(subject.target.tokenizer, spec.prompts, spec.num_prompts,
-                           subject.facts.chat_template_kwargs, settings)
-    return _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k)
+                           subject.facts.chat_template_kwargs, ctx.settings)
+    return _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k, ctx.check)
 
 
 def _decoding(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, replayed: Replayed) -> dict:
@@ -252,7 +256,8 @@ def _decoding(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter,
     n_decode = min(spec.decode_prompts or len(prompts), len(prompts))
     decoded = measure_acceptance(subject.target, drafter, subject.layout.aux_layers, prompts[:n_decode], spec.k,
                                  spec.max_new_tokens, references=replayed.outputs[:n_decode],
-                                 progress=lambda done, total: ctx.progress(done, total, "prompts decoded"))
+                                 progress=lambda done, total: ctx.progress(done, total, "prompts decoded"),
+                                 check=ctx.check)
     counted = chain_acceptance(replayed.runs[:n_decode], spec.k)
     decoded["replay_matches"] = (counted["drafts"], counted["accepted_per_pos"]) == (
         decoded["drafts"], decoded["accepted_per_pos"])
@@ -279,19 +284,21 @@ def _live(spec: Spec, ctx: StageContext, replayed: Replayed) -> dict | None:
     return live
 
 
-def _second_set(spec: Spec, settings: Settings, subject: Subject,
+def _second_set(spec: Spec, ctx: StageContext, subject: Subject,
                 drafter: Drafter) -> SecondSetScored | SecondSetSkipped | None:
     """Step 3 on the second held-out prompt set: its τ (a default the user did not pick, so a trained-on set is
     skipped with the reason, not an error)."""
     if spec.second_prompts is None:
         return None
+    settings = ctx.settings
     try:
         check_held_out(spec.second_prompts, spec.second_num_prompts, subject.trained_on, settings)
     except TrainedOnEvalPrompts as e:
         return SecondSetSkipped(source=spec.second_prompts, skipped=str(e))
     prompts = eval_prompts(subject.target.tokenizer, spec.second_prompts, spec.second_num_prompts,
                            subject.facts.chat_template_kwargs, settings)
-    scored = _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k).per_k[spec.k]
+    scored = _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k,
+                       ctx.check).per_k[spec.k]
     return SecondSetScored(source=spec.second_prompts, count=len(prompts),
                            acceptance_length=scored["acceptance_length"],
                            per_position_acceptance=scored["per_position_acceptance"])
@@ -411,10 +418,13 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         drafter = _load_drafter(subject)
         _held_out(spec, ctx, subject)
         accuracy = _accuracy(spec, ctx, subject, drafter)
-        replayed = _acceptance(spec, ctx.settings, subject, drafter)
+        replayed = _acceptance(spec, ctx, subject, drafter)
         decoded = _decoding(spec, ctx, subject, drafter, replayed)
+        ctx.check()
         live = _live(spec, ctx, replayed)
-        second = _second_set(spec, ctx.settings, subject, drafter)
+        second = _second_set(spec, ctx, subject, drafter)
+        ctx.check()
         served = _serving(spec, ctx, subject, drafter, replayed)
+        ctx.check()
     report = _report(spec, subject, wiring, accuracy, replayed, decoded, live, second, served)
     return _write(spec, ctx, report, subject.history)

@@ -17,10 +17,12 @@ Inputs go to the target's input device; the drafter sits there, and the hooked a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from eyas.capture import gather, hooks
 from eyas.decoding import grouped_sdpa, growing_cache
@@ -105,9 +107,17 @@ def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
     return out, past
 
 
+Check = Callable[[], None]  # runs between steps; raises to stop them (a cancel: eyas.stage.StageContext.check)
+
+
+def _no_check() -> None:
+    pass
+
+
 @torch.inference_mode()
 def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompt: list[int], k: int,
-              max_new_tokens: int, stop: set[int]) -> Decoded:
+              max_new_tokens: int, stop: set[int], check: Check = _no_check) -> Decoded:
+    """`check()` runs before each round."""
     from transformers import DynamicCache
 
     t0 = time.perf_counter()
@@ -128,6 +138,7 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
         h0 = drafter.project(aux[None])  # fc(g) of every row the target has processed, [1, n-1, H]
         past = None  # the drafter's step-0 keys/values so far
         while not _finished(res.tokens, stop, max_new_tokens):
+            check()
             drafts, past = _draft(drafter, h0, context, k, past)
             preds, aux = forward(context[-1:] + drafts)
             a = 0
@@ -146,13 +157,24 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
     return res
 
 
+class _Checked(StoppingCriteria):
+    """`check()` after each of `generate`'s decoding steps; it stops no sequence itself (it raises to stop)."""
+
+    def __init__(self, check: Check):
+        self.check = check
+
+    def __call__(self, input_ids: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
+        self.check()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.inference_mode()
 def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
-           batch: int = 32) -> list[list[int]]:
+           batch: int = 32, check: Check = _no_check) -> list[list[int]]:
     """The target's plain greedy decoding (transformers `generate`), the reference the output must equal.
     Prompts go in left-padded batches: on a CPU each forward streams every weight, so one batch of 32 takes about
     three quarters of the time of two of 16 (2 cores); the cache grows in place and grouped heads are read in place
-    (eyas.decoding)."""
+    (eyas.decoding). `check()` runs after each decoding step."""
     pad = sorted(stop)[0]
     outs: list[list[int]] = []
     for i in range(0, len(prompts), batch):
@@ -164,7 +186,8 @@ def greedy(target: Target, prompts: list[list[int]], max_new_tokens: int, stop: 
             out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                         do_sample=False, temperature=None, top_p=None, top_k=None,
                                         eos_token_id=sorted(stop), pad_token_id=pad,
-                                        past_key_values=growing_cache(target.model.config, width + max_new_tokens))
+                                        past_key_values=growing_cache(target.model.config, width + max_new_tokens),
+                                        stopping_criteria=StoppingCriteriaList([_Checked(check)]))
         for row in out[:, width:].tolist():
             tokens: list[int] = []
             _extend(tokens, row, stop, max_new_tokens)
@@ -202,16 +225,18 @@ def divergence(target: Target, prompt: list[int], speculative: list[int], refere
 
 
 def measure_acceptance(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompts: list[PromptIds], k: int,
-             max_new_tokens: int, progress=None, references: list[list[int]] | None = None) -> dict:
+             max_new_tokens: int, progress=None, references: list[list[int]] | None = None,
+             check: Check = _no_check) -> dict:
     """Speculative and plain greedy decoding of every prompt; acceptance in vLLM's definitions, and equality.
-    `references`: the prompts' plain greedy outputs when the caller has them (else decoded here)."""
+    `references`: the prompts' plain greedy outputs when the caller has them (else decoded here). `check()` runs
+    between decoding steps."""
     stop = stop_ids(target)
     drafts, per_pos, spec_tokens, spec_s, forwards = 0, [0] * k, 0, 0.0, 0
     records = []
     if references is None:
-        references = greedy(target, [p.ids for p in prompts], max_new_tokens, stop)
+        references = greedy(target, [p.ids for p in prompts], max_new_tokens, stop, check=check)
     for i, (p, ref) in enumerate(zip(tqdm(prompts, desc="evaluate", unit="prompt"), references, strict=True)):
-        spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop)
+        spec = speculate(target, drafter, aux_layers, p.ids, k, max_new_tokens, stop, check)
         diff = first_difference(spec.tokens, ref)
         records.append({"id": p.id, "prompt_tokens": len(p.ids), "tokens": len(spec.tokens), "drafts": spec.drafts,
                         "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos,

@@ -124,7 +124,7 @@ def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> d
         return True
 
     run_ranks("services.extractor.rank", n, ["--spec", spec.model_dump_json(), "--output", ctx.output.uri], relay,
-              "extractor processes")
+              "extractor processes", check=ctx.check)
     return files
 
 

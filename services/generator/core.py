@@ -13,7 +13,9 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from eyas.coordination import LocalLimit, Work
 from eyas.datasets import DEAD_LETTER_FILE, PROMPTS_FILE, saved_prompts, shard_name
@@ -32,11 +34,14 @@ from services.generator.throttle import Throttle
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "prompts"
+CANCEL_POLL_S = 0.2  # how often a run's event loop looks for a cancel (StageContext.stop)
+T = TypeVar("T")
 
 
-def _make_engine(spec: Spec, settings) -> Engine:
-    if spec.endpoint is None:
-        return InProcessEngine(spec.target, max_batch=spec.concurrency)
+def _make_engine(spec: Spec, ctx: StageContext) -> Engine:
+    if spec.endpoint is None:  # stops a batch in flight at its next decoding step once the job is cancelled
+        return InProcessEngine(spec.target, max_batch=spec.concurrency, check=ctx.check)
+    settings = ctx.settings
     key = settings.endpoint_api_key  # from the settings: a spec never carries a credential (eyas.confine)
     return HttpEngine(spec.endpoint, spec.model or "target", api_key=key.get_secret_value() if key else None,
                       max_connections=spec.concurrency, timeout_s=spec.request_timeout_s)
@@ -67,6 +72,21 @@ async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict
         await throttle.aclose()
 
 
+async def _until_cancelled(ctx: StageContext, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, looking for a cancel every CANCEL_POLL_S: on one, `work` is cancelled (requests in flight are
+    let go, samples finished so far journaled; the in-process engine's batch stops at its next step) and Cancelled
+    raised."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=CANCEL_POLL_S))[0]:
+        if ctx.stop.is_set():
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancel is what the run reports
+            ctx.check()
+    return task.result()
+
+
 def _share_work(spec: Spec, ctx: StageContext, pending: list[str]) -> Work:
     """The pending prompts, shared with other generator workers where the deployment has them and one process
     cannot keep them all in flight."""
@@ -83,7 +103,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
 
     async def main():
-        engine = _make_engine(spec, ctx.settings)
+        engine = _make_engine(spec, ctx)
         try:
             if isinstance(engine, HttpEngine):  # before the first request: the endpoint must serve the target
                 ctx.metrics.update(await check_endpoint(engine, tokenizer, spec.target,
@@ -111,7 +131,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             await engine.aclose()
 
     t0 = time.monotonic()
-    prompts, source_counts, stats, shared, pending, resumed = asyncio.run(main())
+    prompts, source_counts, stats, shared, pending, resumed = asyncio.run(_until_cancelled(ctx, main()))
     elapsed = time.monotonic() - t0
     results = journal.load()  # every participant's samples
     dead = journal.load_dead()
@@ -165,13 +185,13 @@ def assist(spec: Spec, ctx: StageContext, work: Work) -> None:
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every, on_commit=work.finished)
 
     async def main() -> dict[str, int]:
-        engine = _make_engine(spec, ctx.settings)
+        engine = _make_engine(spec, ctx)
         try:
             return await _generate(spec, ctx, engine, prompts, work, journal, 0, coordinator=False)
         finally:
             await engine.aclose()
 
-    stats = asyncio.run(main())
+    stats = asyncio.run(_until_cancelled(ctx, main()))
     work.add_stats({"retried": stats["retried"], "completion_tokens": stats["completion_tokens"]})
     log.info("helped job %s: %d prompts generated, %d dead-lettered", ctx.job_id, stats["completed"],
              stats["failed"])

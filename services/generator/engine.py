@@ -10,12 +10,14 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 
 from eyas.render import render_prompt_text
+from eyas.stage import Cancelled
 from services.generator.spec import SamplingParams
 
 
@@ -142,9 +144,11 @@ class HttpEngine:
 
 
 class InProcessEngine:
-    """Batched greedy/sampled generation with a local transformers model, behind the HTTP engine's interface."""
+    """Batched greedy/sampled generation with a local transformers model, behind the HTTP engine's interface.
+    `check()` runs before every forward (prefill group, decoding step) and may raise (eyas.stage.Cancelled): the
+    batch in flight stops there, and its requests raise it."""
 
-    def __init__(self, target_name: str, max_batch: int = 16):
+    def __init__(self, target_name: str, max_batch: int = 16, check: Callable[[], None] = lambda: None):
         import torch
 
         from eyas.target import load_target
@@ -153,6 +157,7 @@ class InProcessEngine:
         self.target = load_target(target_name)
         self.tok = self.target.tokenizer
         self.max_batch = max_batch
+        self.check = check
         self._pending: list[tuple[list[dict], SamplingParams, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
@@ -185,10 +190,11 @@ class InProcessEngine:
                     for (_, _, fut), res in zip(batch, results, strict=True):
                         if not fut.done():
                             fut.set_result(res)
-                except Exception as e:  # every waiter learns why
+                except Exception as e:  # every waiter learns why (a cancel as itself: nothing to retry)
                     for _, _, fut in batch:
                         if not fut.done():
-                            fut.set_exception(EngineError(f"in-process generation failed: {e}"))
+                            fut.set_exception(e if isinstance(e, Cancelled) else
+                                              EngineError(f"in-process generation failed: {e}"))
 
     def render(self, messages: list[dict], params: SamplingParams) -> str:
         return render_prompt_text(self.tok, messages, params.chat_template_kwargs)
@@ -242,6 +248,7 @@ class InProcessEngine:
         logits = self._prefill(ids, mask, positions, cache)  # [rows, V]: the last position only
         last = positions[:, -1]
         for step in range(params.max_tokens):
+            self.check()
             nxt = self._pick(logits, params, rng)  # [rows]
             for r, t in zip(alive.tolist(), nxt.tolist(), strict=True):
                 out[r].append(t)
@@ -275,6 +282,7 @@ class InProcessEngine:
         order = lengths.argsort()
         logits = None
         for i in range(0, len(order), PREFILL_ROWS):
+            self.check()
             rows = order[i:i + PREFILL_ROWS]
             cut = width - int(lengths[rows].max())
             part = DynamicCache(config=model.config)

@@ -9,7 +9,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
 
 from eyas.coordination import Work
 from eyas.prompts import Prompt
-from eyas.stage import StageContext
+from eyas.stage import Cancelled, StageContext
 from services.generator.engine import Completion, Engine, EngineError
 from services.generator.journal import Journal
 from services.generator.retry import DeadLetter, backoff, retryable
@@ -108,6 +108,10 @@ class Generator:
 
         # Two tasks per slot this process may hold, so that prompts waiting out a retry's backoff leave no slot idle;
         # the throttle decides how many are in flight.
-        await asyncio.gather(*(worker() for _ in range(max(1, min(2 * self.throttle.most, len(prompts))))))
+        try:
+            await asyncio.gather(*(worker() for _ in range(max(1, min(2 * self.throttle.most, len(prompts))))))
+        except (asyncio.CancelledError, Cancelled):
+            self.journal.flush()  # the samples finished so far stay: a rerun resumes from them
+            raise
         self.journal.flush()
         bar.close()

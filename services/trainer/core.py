@@ -35,7 +35,7 @@ INPUT_FIELD = "features"
 
 def _train_distributed(spec: Spec, ctx: StageContext) -> None:
     """torchrun with `processes` ranks; rank 0's progress lines become this job's progress. A cancel (raised by
-    ctx.progress) stops the whole process group."""
+    ctx.check, between lines and while none comes) stops the whole process group."""
 
     def relay(line: str) -> bool:
         if not line.startswith(PROGRESS_TAG):
@@ -46,7 +46,7 @@ def _train_distributed(spec: Spec, ctx: StageContext) -> None:
         return True
 
     run_ranks("services.trainer.train", spec.processes, ["--spec", spec.model_dump_json(), "--output",
-                                                         ctx.output.uri], relay, "processes")
+                                                         ctx.output.uri], relay, "processes", check=ctx.check)
 
 
 def _summary(history: dict, info: dict) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     spec = resolve(spec, ctx.settings)  # once: torchrun's ranks, the exports and the manifest see the same values
-    reader, layout = open_features(spec, ctx.settings)
+    reader, layout = open_features(spec, ctx.settings, ctx.stop)
     try:
         if spec.processes > 1:
             _train_distributed(spec, ctx)

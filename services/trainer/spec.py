@@ -3,6 +3,7 @@ spec names (checked against the target here)."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import torch
@@ -94,10 +95,11 @@ def resolve(spec: Spec, settings: Settings) -> Spec:
     return spec.model_copy(update={"dtype": place.dtype_name, "processes": spec.processes or gpus})
 
 
-def open_features(spec: Spec, settings: Settings) -> tuple[FeatureReader, Layout]:
+def open_features(spec: Spec, settings: Settings, stop: threading.Event | None = None) -> tuple[FeatureReader, Layout]:
     """The features reader and its layout, after checking that the target here is the one they were extracted
-    from (config and tokenizer/chat-template hashes, sizes)."""
-    reader = FeatureReader(open_artifact(spec.features, settings), stall_s=settings.stream_stall_s)
+    from (config and tokenizer/chat-template hashes, sizes). `stop` set: stop waiting for shards not yet
+    extracted (the job was cancelled)."""
+    reader = FeatureReader(open_artifact(spec.features, settings), stall_s=settings.stream_stall_s, stop=stop)
     layout = reader.layout
     target = spec.target or layout.target
     cfg = json.loads((resolve_target(target) / "config.json").read_text())
