@@ -7,7 +7,7 @@ per variant: wall time, each job's time, target forwards (tokens extracted), the
 final validation loss / accuracy, and the capture vs training throughput; then the object-store hop of one shard
 (put + get, local directory store) against one training step.
 
-    .venv/bin/python bench/handoff.py [--conversations 240] [--epochs 2] [--cap-mib 24]
+    .venv/bin/python bench/handoff.py [--conversations 240] [--epochs 2] [--cap-mib 24] [--shard-mb 4]
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class StoredPeak:
         return self.peak
 
 
-def child(variant: str, data: str, workdir: Path, epochs: int, cap_mib: float) -> None:
+def child(variant: str, data: str, workdir: Path, epochs: int, cap_mib: float, shard_mb: int) -> None:
     from eyas.settings import Settings
     from eyas.store import open_artifact
     from orchestration.embedded import EmbeddedRunner
@@ -79,7 +79,7 @@ def child(variant: str, data: str, workdir: Path, epochs: int, cap_mib: float) -
     cap_gb = cap_mib / 1024
     settings = Settings(workdir=workdir, input_roots=[Path(data)])
     train = {"stage": "train", **CPU_PRESET, "epochs": float(epochs), "val_interval": 0, "cache_gb": max(cap_gb, 1)}
-    extract = {"data": data}
+    extract = {"data": data, "shard_mb": shard_mb, "batch_tokens": 1024}  # shards of a few batches: windows of several
     if variant != "cache":
         extract["stream"] = {"policy": variant, "epochs": epochs, "max_store_gb": cap_gb}
     peak = StoredPeak(settings.store_root)
@@ -95,7 +95,7 @@ def child(variant: str, data: str, workdir: Path, epochs: int, cap_mib: float) -
         "variant": variant, "wall_s": wall,
         "extract_s": ext.updated_at - ext.created_at, "train_s": trn.updated_at - trn.created_at,
         "train_started_after_s": trn.created_at - ext.created_at,
-        "tokens": features["counts"]["tokens"], "forward_tokens": ext.metrics.get("tokens"),
+        "tokens": features["counts"]["tokens"], "forward_tokens": features["metrics"]["forward_tokens"],
         "stored_peak": stored, "steps": drafter["counts"]["steps"],
         "train_tok_s": drafter["metrics"]["tokens_per_s"],
         "step_s": (trn.updated_at - trn.created_at) / drafter["counts"]["steps"],  # alone: with no wait in it
@@ -124,13 +124,14 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=240)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--cap-mib", type=float, default=24.0, help="recompute/first_epoch: max_store_gb, in MiB")
+    p.add_argument("--shard-mb", type=int, default=4, help="extract shard_mb: windows hold whole shards")
     p.add_argument("--variants", default="cache,first_epoch,recompute")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.data, args.workdir, args.epochs, args.cap_mib)
+        child(args.child, args.data, args.workdir, args.epochs, args.cap_mib, args.shard_mb)
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="eyas-bench-handoff-") as tmp:
@@ -138,12 +139,12 @@ def main() -> None:
         for variant in args.variants.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", variant, "--data", data, "--workdir",
                                   str(Path(tmp) / variant), "--epochs", str(args.epochs), "--cap-mib",
-                                  str(args.cap_mib)], check=True, capture_output=True, text=True, cwd=REPO)
+                                  str(args.cap_mib), "--shard-mb", str(args.shard_mb)], check=True, capture_output=True, text=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         hop = store_hop(Path(tmp))
     base = rows[0]
-    print(f"{args.conversations} conversations, {base['tokens']} tokens, {args.epochs} epochs; cap {args.cap_mib:g} MiB "
-          "for the streamed variants")
+    print(f"{args.conversations} conversations, {base['tokens']} tokens, {args.epochs} epochs; shards of "
+          f"{args.shard_mb} MiB; cap {args.cap_mib:g} MiB for the streamed variants")
     print(f"{'variant':>12} {'wall s':>7} {'× cache':>7} {'extract s':>9} {'train s':>7} {'train from':>10} "
           f"{'fwd tok':>8} {'stored MiB':>10} {'steps':>5} {'val loss':>8} {'acc0':>6}")
     for r in rows:

@@ -82,6 +82,8 @@ def hand_off_features(extract: dict[str, Any], train: dict[str, Any], policy: Fe
 
     extract["stream"] = {"policy": policy, "epochs": math.ceil(train["epochs"]), "seed": train.get("seed", 0),
                          "max_store_gb": cap_gb}
+    # a window (half the cap) holds whole shards: shards of at most a quarter of the cap (the default where larger)
+    extract.setdefault("shard_mb", max(1, min(256, int(cap_gb * 1024 / 4))))
     train["cache_gb"] = max(train.get("cache_gb", TrainSpec.model_fields["cache_gb"].default), cap_gb)
 
 

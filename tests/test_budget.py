@@ -126,6 +126,10 @@ def test_a_streaming_policy_reaches_the_extract_and_train_specs():
     hand_off_features(extract, train, "recompute", 4.0)
     assert extract["stream"] == {"policy": "recompute", "epochs": 4, "seed": 0, "max_store_gb": 4.0}
     assert train["cache_gb"] == TrainSpec.model_fields["cache_gb"].default  # the default already holds 2 windows
+    assert extract["shard_mb"] == 256  # a quarter of the cap is more than the default
+    small = {}
+    hand_off_features(small, {"epochs": 1.0}, "recompute", 0.1)
+    assert small["shard_mb"] == 25  # a window of half the cap holds two shards
 
     extract, train = {}, {"epochs": 2.0, "seed": 7}
     hand_off_features(extract, train, "first_epoch", 1000.0)

@@ -193,7 +193,9 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     manifest = writer.commit(Manifest(
         kind="features", id=ctx.job_id, job_spec=spec.model_dump(mode="json"), inputs=[spec.data],
         counts=counts, layout=layout.to_dict(), features=FeaturesFacts(chat_template_kwargs=job.template_kwargs),
-        metrics={k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
+        # forward_tokens: what this run's target forwards covered (a recompute stream extracts every epoch)
+        metrics={**{k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
+                 "forward_tokens": ctx.metrics.get("tokens", counts["tokens"])},
         extra={"source_manifest_id": job.source.id, "policy": policy,
                "compute": {"device": device, "processes": n, "dtype": place.dtype_name}},
     ))

@@ -32,8 +32,14 @@ def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, width: int, chat_tem
     shards = [ShardPlan(name=shard_name(i), samples=sum(len(b) for b in batches),
                         bytes=sum(shard_bytes(len(item.input_ids), width) for b in batches for item in b))
               for i, batches in enumerate(plan.shards)]
+    window = int(spec.max_store_gb * (1 << 30)) // 2
+    largest = max((s.bytes for s in shards), default=0)
+    if largest > window:  # a window holds whole shards: the cap would not hold
+        raise ValueError(f"stream.max_store_gb={spec.max_store_gb:g} holds two windows of {window / (1 << 20):.1f} "
+                         f"MiB, and a planned shard takes {largest / (1 << 20):.1f} MiB: lower shard_mb or "
+                         "batch_tokens (a shard closes at the first forward batch past shard_mb), or raise the cap")
     return StreamPlan(policy=spec.policy, epochs=spec.epochs if spec.policy == "recompute" else 1, seed=spec.seed,
-                      window_bytes=int(spec.max_store_gb * (1 << 30)) // 2, layout=layout,
+                      window_bytes=window, layout=layout,
                       chat_template_kwargs=chat_template_kwargs, shards=shards)
 
 
