@@ -31,8 +31,9 @@ def test_one_post_runs_the_pipeline_across_four_services(service_settings, vllm_
     spec = {
         "prompts": store.uri("inputs/prompts.jsonl"), "endpoint": vllm_url, "concurrency": 6,
         "sampling": {"max_tokens": 48},
-        # extraction and training together, recomputing every epoch, at most 1 MB of features stored at once
-        "then": [{"stage": "extract", "stream": {"policy": "recompute", "epochs": 12, "max_store_gb": 0.001}},
+        # extraction and training together, recomputing every epoch, at most 5 MB of features stored at once
+        "then": [{"stage": "extract", "shard_mb": 1, "batch_tokens": 256,
+                  "stream": {"policy": "recompute", "epochs": 12, "max_store_gb": 0.005}},
                  {"stage": "train", "steps": 12, "ttt_steps": 2, "draft_vocab_size": 512, "batch_tokens": 512,
                   "warmup": 2, "lr": 3e-3, "val_every": 3, "val_interval": 0},
                  {"stage": "evaluate", "num_prompts": 2, "max_new_tokens": 24, "engines": ["vllm", "sglang"]}],
