@@ -293,8 +293,13 @@ def assist(job_id: str, attempt: int, work: Work, jobs: JobStore, store: ObjectS
         return False
     ctx = StageContext(job_id=job_id, settings=settings, store=store, attempt=attempt,
                        output=job_output(store, job), limit=coordination.limit)
+    watch = CancelWatch(jobs, job_id, ctx.stop)  # a helper stops with the job's cancel too
     try:
         stage.assist(parse_spec(job.stage, job.spec, settings), ctx, work)
+    except Cancelled:
+        log.info("job %s was cancelled; this helper stops", job_id)
     except Exception:
         log.exception("helping job %s failed; its own run takes over", job_id)
+    finally:
+        watch.close()
     return True
