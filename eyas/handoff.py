@@ -6,7 +6,7 @@ those not yet there. Everything goes through the artifact's prefix in the object
 
   stream.json            the announcement (StreamPlan): policy, epochs, the order's seed, window size, layout, and
                          each shard's name, planned bytes and samples, in artifact order
-  index.safetensors      every sample's tokens and loss mask (eyas.features.write_index): what the trainer plans
+  index.safetensors      every sample's tokens and loss mask (eyas.features.Index): what the trainer plans
                          from — split, lengths, vocabulary counts, steps — before any feature exists
   <object>               a shard, uploaded whole (an S3 put, or a local write then rename)
   ready/<object>.json    its FileEntry (sha256, bytes), written after it: the shard may be read
@@ -22,7 +22,8 @@ Policies:
     into windows of `window_bytes` —, each epoch's shards under their own prefix. The trainer deletes a window's
     shards once a checkpoint past it is committed, and the extractor starts a shard of global window g only after
     window g - 2 was consumed: the store never holds more than two windows (2 · window_bytes, the job's cap), plus
-    one shard per extractor process in flight.
+    one shard per extractor process in flight. A window holds whole shards, so the extractor refuses a planned
+    shard larger than a window.
 """
 from __future__ import annotations
 
