@@ -86,11 +86,14 @@ class Index:
 
     @property
     def lengths(self) -> list[int]:
-        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+        return self._lengths().tolist()
+
+    def _lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]  # [S]
 
     def supervised_counts(self, samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[V] int64: how often each id occurs at a supervised position of the samples `samples` ([N] bool)."""
-        owner = torch.repeat_interleave(torch.arange(len(self.offsets) - 1), self.offsets[1:] - self.offsets[:-1])
+        owner = torch.repeat_interleave(torch.arange(len(self.offsets) - 1), self._lengths())  # [T] sample of token
         keep = self.loss_mask.bool() & samples[owner]
         return torch.bincount(self.input_ids[keep].long(), minlength=vocab_size)
 

@@ -58,7 +58,6 @@ TRAIN_SHARE = 0.9  # of the samples (val_every 10)
 # the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
 # 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
 VAL_PASSES = 10
-FEATURE_AUX_LAYERS = 3  # the extractor's default aux layers (services/extractor/spec.py: aux_layers)
 # cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
 # trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
 FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
@@ -118,7 +117,7 @@ def sample_tokens(max_tokens: int) -> float:
     return PROMPT_TOKENS + ANSWER_FILL * max_tokens
 
 
-def features_gb(prompts: int, max_tokens: int, hidden: int, n_aux: int = FEATURE_AUX_LAYERS) -> float:
+def features_gb(prompts: int, max_tokens: int, hidden: int, n_aux: int) -> float:
     """The planned features in GiB: the prompts' tokens as extraction sees them, each taking what a shard stores of
     it (n_aux aux layers and the final one, `hidden` bf16 values each; its id and loss mask)."""
     return shard_bytes(round(prompts * sample_tokens(max_tokens)), (n_aux + 1) * hidden) / (1 << 30)

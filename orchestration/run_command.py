@@ -106,11 +106,11 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    from eyas.layout import default_aux_layers
     from eyas.target import resolve_target
     from orchestration.budget import (
         ANSWER_TOKENS,
         DECODE_PROMPTS,
-        FEATURE_AUX_LAYERS,
         batches,
         features_gb,
         features_policy,
@@ -151,8 +151,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
         "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
     }
     apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
-    hidden = json.loads((resolve_target(args.target) / "config.json").read_text())["hidden_size"]
-    n_aux = len(extract.get("aux_layers") or ()) or FEATURE_AUX_LAYERS
+    config = json.loads((resolve_target(args.target) / "config.json").read_text())
+    hidden = config["hidden_size"]
+    n_aux = len(extract.get("aux_layers") or default_aux_layers(config["num_hidden_layers"]))
     planned_gb = features_gb(num_prompts, max_tokens, hidden, n_aux)
     cap_gb = args.store_gb or half_free_gb(args.workdir)
     policy, why = features_policy(args.features_policy, planned_gb, cap_gb)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from eyas.layout import default_aux_layers
 from orchestration.budget import (
     EPOCHS,
-    FEATURE_AUX_LAYERS,
     MAX_EPOCHS,
     VAL_PASSES,
     Rates,
@@ -104,9 +104,11 @@ def test_set_overrides_reach_the_stage_specs_and_a_bad_one_is_named():
 
 def test_planned_features_take_what_a_shard_stores_per_token():
     hidden = 576  # the bundled target's width
-    per_token = (FEATURE_AUX_LAYERS + 1) * hidden * 2 + 5  # bf16 aux and final states, int32 id, uint8 mask
-    assert features_gb(1000, 96, hidden) == pytest.approx(1000 * sample_tokens(96) * per_token / (1 << 30), rel=1e-6)
-    assert features_gb(1000, 96, hidden, n_aux=5) > features_gb(1000, 96, hidden)
+    n_aux = len(default_aux_layers(30))  # the extractor's default for the bundled target's 30 layers
+    per_token = (n_aux + 1) * hidden * 2 + 5  # bf16 aux and final states, int32 id, uint8 mask
+    assert features_gb(1000, 96, hidden, n_aux) == pytest.approx(1000 * sample_tokens(96) * per_token / (1 << 30),
+                                                                 rel=1e-6)
+    assert features_gb(1000, 96, hidden, n_aux=5) > features_gb(1000, 96, hidden, n_aux)
 
 
 def test_features_are_cached_when_they_fit_the_store_else_recomputed_unless_a_policy_is_asked_for():

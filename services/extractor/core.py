@@ -129,7 +129,7 @@ def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> d
 
 
 def shard_work(spec: Spec, stream: StreamPlan | None, plan: Plan, output: Artifact, rank: int, world: int,
-          settings: Settings, cancelled) -> Iterator[tuple[int, str]]:
+               settings: Settings, cancelled) -> Iterator[tuple[int, str]]:
     """This process's shards: every world-th of the plan's from rank, or its share of the stream."""
     if stream is None:
         return ((i, shard_name(i)) for i in range(rank, len(plan.shards), world))
@@ -164,12 +164,9 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                 ctx.metrics.update(tokens=done)
                 ctx.progress(done, total, "tokens")
 
-            def cancelled() -> bool:  # while waiting for the trainer: a cancel raises Cancelled here
-                ctx.progress(done, total, "tokens")
-                return False
-
             shards = ArtifactWriter(ctx.output) if stream else writer  # a stream's shards are listed by their markers
-            write_shards(target, layout, plan, shard_work(spec, stream, plan, ctx.output, 0, 1, ctx.settings, cancelled),
+            write_shards(target, layout, plan, shard_work(spec, stream, plan, ctx.output, 0, 1, ctx.settings,
+                                                                ctx.stop.is_set),
                          shards, progress, partial(publish, ctx.output) if stream else None)
             bar.close()
             device = str(target.input_device)

@@ -26,7 +26,6 @@ class StreamSpec(BaseModel):
                                 "windows of half this, plus a shard per extractor process); the train job's "
                                 "cache_gb must be at least this")
 
-
     @model_validator(mode="before")
     @classmethod
     def _json_numbers(cls, data: Any) -> Any:

@@ -132,17 +132,19 @@ class BatchStream:
         self.windows = windows or (lambda _epoch: [list(range(len(lengths)))])
         self.position = position or DataPosition()
         self.window = (-1, -1)
-        self._plan_epoch, self._plan = -1, []
+        self._plans: dict[int, list[tuple[int, list[int]]]] = {}  # epoch → plan: the current and the next
 
     def _plan_for(self, epoch: int) -> list[tuple[int, list[int]]]:
-        if epoch != self._plan_epoch:
+        if epoch not in self._plans:
             plan = []
             for w, members in enumerate(self.windows(epoch)):
                 local = epoch_plan([self.lengths[i] for i in members], self.batch_tokens,
                                    self.seed + WINDOW_SEED * w, epoch)
                 plan += [(w, [members[j] for j in batch]) for batch in local]
-            self._plan_epoch, self._plan = epoch, plan
-        return self._plan
+            self._plans[epoch] = plan
+            if len(self._plans) > 2:  # an epoch boundary looks one epoch ahead (`upcoming`); older plans go
+                del self._plans[min(e for e in self._plans if e != epoch)]
+        return self._plans[epoch]
 
     def batches_per_epoch(self, epoch: int | None = None) -> int:
         return len(self._plan_for(self.position.epoch if epoch is None else epoch))
