@@ -11,7 +11,8 @@ applies the three changes atomically:
   less deep; the cut limit becomes the slow-start threshold (slow start is over);
 - at_least(n): the limit is raised to n (up to the slow-start threshold and the maximum).
 
-A Work hands out the ids of the items a run must do (the generator's prompts), and is told which are committed.
+A Work hands out the ids of the items a run must do (the generator's prompts, a features stream's shards), and is
+told which are committed.
 """
 from __future__ import annotations
 
@@ -146,9 +147,11 @@ class Work(Protocol):
     def close(self) -> None: ...  # done with it (the run's own Work also retires what it shared)
 
 
-# (ids, helpers, min_chunk) → the run's Work over `ids`, shared with up to `helpers` other workers in chunks of at
-# least `min_chunk` ids where the deployment has workers to share with, else this process's own
-Share = Callable[[list[str], int, int], Work]
+# (ids, helpers, min_chunk, ordered) → the run's Work over `ids`, shared with up to `helpers` other workers in chunks
+# of at least `min_chunk` ids where the deployment has workers to share with, else this process's own. `ordered`:
+# every participant takes the ids one at a time in their order (for work whose later items wait on earlier ones:
+# nobody may sit on an early id while it waits for a late one)
+Share = Callable[[list[str], int, int, bool], Work]
 
 
 class LocalWork:
@@ -179,5 +182,5 @@ class LocalWork:
         pass
 
 
-def local_share(ids: list[str], _helpers: int = 0, _min_chunk: int = 1) -> Work:
+def local_share(ids: list[str], _helpers: int = 0, _min_chunk: int = 1, _ordered: bool = False) -> Work:
     return LocalWork(ids)

@@ -105,7 +105,7 @@ class StageContext:
     attempt: int = 1  # the job's run number (a redelivered task runs it again)
     # limit(key, maximum, initial): the concurrency limit against `key` (an endpoint), this process's or shared
     limit: LimitFactory = field(default_factory=lambda: local_limits(256))
-    # share(ids, helpers, min_chunk): the run's source of work items, shared with up to `helpers` other workers
+    # share(ids, helpers, min_chunk, ordered): the run's source of work items, shared with up to `helpers` other workers
     # where the deployment has them (their part runs the stage's `assist`)
     share: Share = local_share
     # hand_off(): this job's output can be read while it is written (a features stream was announced): the next

@@ -26,7 +26,7 @@ from orchestration.jobs import IllegalTransition, JobNotFound
 from orchestration.lease import job_lease
 from orchestration.registry import STAGE_ORDER, get_stage
 from orchestration.runtime import Runtime, service_runtime
-from orchestration.workshare import ChunkWork
+from orchestration.workshare import ORDERED, ChunkWork, ordered_chunks
 
 log = logging.getLogger(__name__)
 app = make_celery(get_settings())
@@ -61,7 +61,9 @@ def run_job(job_id: str) -> str:
 @app.task(name=ASSIST_TASK)
 def assist_job(job_id: str, attempt: int, index: int, ids: list[str]) -> str:
     runtime = _runtime()
-    work = ChunkWork(runtime.leases.client, runtime.leases, job_id, attempt, {index: ids}, owner=False)
+    ordered = index == ORDERED
+    work = ChunkWork(runtime.leases.client, runtime.leases, job_id, attempt,
+                     ordered_chunks(ids) if ordered else {index: ids}, owner=False, ordered=ordered)
     try:
         helped = assist(job_id, attempt, work, runtime.jobs, runtime.store, runtime.settings, runtime.coordination)
     except JobNotFound as e:

@@ -8,6 +8,11 @@ or dead-lettered) go in one set per run, so whoever takes a chunk over skips wha
 dies stops renewing its lease; the run takes the chunk over once the lease lapses, and waits for the chunks others
 hold before it commits. A chunk task whose chunk is done, held, or of an earlier run of the job does nothing.
 
+Ordered work (a features stream's shards, whose later items wait on the earlier ones being done) is shared id by
+id instead: every id is a chunk of its own, every participant knows them all and takes the first free one, so the
+earliest unfinished id is always held by a live participant or free for the next to take. Each helper's task names
+every id (chunk index ORDERED).
+
 Keys carry the run's attempt number and expire a day after the run's last commit (the run deletes them when done),
 so a run whose workers all died leaves nothing behind for long.
 """
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 KEY_TTL_S = 86_400
 # (stage, job_id, attempt, chunk index, ids) → a chunk task on the stage's queue
 SendChunk = Callable[[str, str, int, int, list[str]], None]
+ORDERED = -1  # the chunk index of a helper's task for ordered work: its ids are all the run's, one chunk each
 
 
 def cut_chunks(ids: list[str], helpers: int, min_chunk: int) -> list[list[str]]:
@@ -39,16 +45,17 @@ def cut_chunks(ids: list[str], helpers: int, min_chunk: int) -> list[list[str]]:
 
 class ChunkWork:
     """eyas.coordination.Work over chunks held under leases (see the module doc). The run's own (`owner`) knows
-    every chunk and tries them last first; a helper knows the one chunk its task names."""
+    every chunk and tries them last first; a helper knows the one chunk its task names. Ordered work: one id per
+    chunk, every participant knows them all and tries them first first."""
 
     def __init__(self, client: redis.Redis, leases: Leases, job_id: str, attempt: int,
-                 chunks: dict[int, list[str]], owner: bool):
+                 chunks: dict[int, list[str]], owner: bool, ordered: bool = False):
         self.r, self.leases, self.owner = client, leases, owner
         self.base = f"eyas:work:{job_id}:{attempt}"
         self.finished_key, self.stats_key = f"{self.base}:finished", f"{self.base}:stats"
         self.chunks = chunks
         self.total = sum(len(c) for c in chunks.values())
-        self._order = sorted(chunks, reverse=True)
+        self._order = sorted(chunks, reverse=not ordered)
         self._complete: set[int] = set()
         self._held: dict[int, tuple[Lease, set[str]]] = {}  # chunk → its lease, its ids not yet finished
         self._next: deque[str] = deque()  # ids of held chunks not yet handed out
@@ -113,9 +120,23 @@ class ChunkWork:
             self.r.delete(self.finished_key, self.stats_key)
 
 
+def ordered_chunks(ids: list[str]) -> dict[int, list[str]]:
+    return {i: [id_] for i, id_ in enumerate(ids)}
+
+
 def share_by_tasks(client: redis.Redis, leases: Leases, send: SendChunk, stage: str, job_id: str, attempt: int,
-                   ids: list[str], helpers: int, min_chunk: int) -> Work:
-    """The run's Work: chunks on the stage's queue when there are helpers to share with and two chunks or more."""
+                   ids: list[str], helpers: int, min_chunk: int, ordered: bool = False) -> Work:
+    """The run's Work: chunks on the stage's queue when there are helpers to share with and two chunks or more
+    (ordered: a task naming every id for each helper)."""
+    if ordered:
+        if helpers <= 0 or len(ids) < 2:
+            return LocalWork(ids)
+        work = ChunkWork(client, leases, job_id, attempt, ordered_chunks(ids), owner=True, ordered=True)
+        for _ in range(helpers):
+            send(stage, job_id, attempt, ORDERED, ids)
+        log.info("job %s: %d ordered ids shared with up to %d helpers on the %s queue", job_id, len(ids), helpers,
+                 stage)
+        return work
     chunks = cut_chunks(ids, helpers, min_chunk) if helpers > 0 else []
     if len(chunks) < 2:
         return LocalWork(ids)

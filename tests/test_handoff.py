@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,3 +199,46 @@ def test_an_extract_job_with_a_stream_starts_its_train_job_beside_it(dataset, tm
     features = open_artifact(ext.artifacts["output"])
     assert not [n for n in features.names() if n.startswith("epoch-")]
     assert json.loads(open_artifact(trn.artifacts["output"]).get_bytes("manifest.json"))["counts"]["steps"] > 0
+
+
+def test_two_extract_workers_feed_one_trainer_across_services_caching_the_first_epoch(service_settings, api_process,
+                                                                                     worker_process, tmp_path):
+    """Service mode (Redis, S3): an extract job with `then: train` streaming first_epoch, the trainer's cache a
+    fifth of the features. Two extract workers share the stream's shards (the job's own run and a helper that took
+    its task from the stage's queue), a train worker trains as they land: every shard is extracted once, and
+    every train sample is trained once per epoch."""
+    import httpx
+
+    from tests.conftest import wait_for_job
+
+    data = write_records(tmp_path / "data", conversations(64))
+    api = api_process("extract", service_settings)
+    extractors = [worker_process("extract", service_settings) for _ in range(2)]
+    trainer = worker_process("train", service_settings)
+    extract, train = specs(data, tmp_path / "unused", CAP_GB, "first_epoch")
+    del train["features"]
+    client = httpx.Client(base_url=api.url, timeout=30)
+    r = client.post("/v1/jobs", json={**extract, "max_workers": 2, "then": [{"stage": "train", **train}]})
+    assert r.status_code == 202, r.text
+
+    def ended(job_id: str, what: str) -> dict:
+        return wait_for_job(lambda: client.get(f"/v1/jobs/{job_id}").json(),
+                            lambda j: j["state"] not in ("queued", "running"), timeout=600, what=what)
+
+    ext = ended(r.json()["id"], "extract job")
+    logs = "".join(w.tail(1 << 20) for w in extractors)
+    assert ext["state"] == "succeeded", (ext, logs[-3000:])
+    trn = ended(ext["next_job"], "train job")
+    assert trn["state"] == "succeeded", (trn, trainer.tail())
+    assert trn["created_at"] < ext["updated_at"], "the train job started while the shards were extracted"
+    # exactly once across both workers: the target's forwards covered the samples' tokens once
+    assert ext["metrics"]["forward_tokens"] == ext["metrics"]["tokens"]
+    features = open_artifact(ext["artifacts"]["output"], service_settings.settings)
+    manifest = read_manifest(features, kind="features")
+    assert sorted(n for n in manifest.files if n.startswith("shard-")) == [s.name for s in read_plan(features).shards]
+    helped = [int(n) for n in re.findall(r"helped job \S+: (\d+) tokens extracted", logs)]
+    print(f"extract tokens {ext['metrics']['tokens']}, of which the helper extracted {sum(helped)}")
+    h = json.loads(open_artifact(trn["artifacts"]["output"], service_settings.settings).get_bytes("history.json"))
+    train_ids = sorted({i for e in h["train"] for i in e["samples"]})
+    for epoch in (0, 1):
+        assert sorted(i for e in h["train"] if e["epoch"] == epoch for i in e["samples"]) == train_ids

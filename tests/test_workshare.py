@@ -18,7 +18,7 @@ from orchestration.jobs import JobRecord, RedisJobStore, transition
 from orchestration.lease import Leases, job_lease
 from orchestration.runtime import Runtime
 from orchestration.tasks import requeue_orphans
-from orchestration.workshare import ChunkWork, cut_chunks, share_by_tasks
+from orchestration.workshare import ORDERED, ChunkWork, cut_chunks, ordered_chunks, share_by_tasks
 
 _jobs = itertools.count()
 
@@ -71,6 +71,31 @@ work.finished([work.claim()])
 print(work.claim(), flush=True)
 time.sleep(600)
 """
+
+
+def test_ordered_work_is_taken_first_first_one_id_at_a_time_by_every_participant(redis_url):
+    """A stream's objects: each helper's task names every id; whoever asks next gets the first id nobody holds or
+    finished, so the earliest open id is always held by someone alive or free."""
+    client = redis.Redis.from_url(redis_url)
+    sent: list[tuple] = []
+    job, ids = f"job-{next(_jobs)}", [f"o{i}" for i in range(6)]
+    run = share_by_tasks(client, Leases(client, lease_s=5.0), lambda *args: sent.append(args), "extract", job, 1,
+                         ids, helpers=2, min_chunk=1, ordered=True)
+    assert [(s[3], s[4]) for s in sent] == [(ORDERED, ids)] * 2
+    helper = ChunkWork(client, Leases(client, lease_s=5.0), job, 1, ordered_chunks(ids), owner=False, ordered=True)
+    assert [run.claim(), helper.claim(), run.claim(), helper.claim()] == ids[:4]  # in order, alternating
+    run.finished(["o0"])
+    helper.finished(["o1"])
+    assert run.open_count() == 4  # o2, o3 held; o4, o5 free
+    assert run.claim() == "o4" and helper.claim() == "o5" and run.claim() is None and helper.claim() is None
+    run.finished(["o2", "o4"])
+    helper.finished(["o3", "o5"])
+    assert run.open_count() == 0
+    helper.close()
+    run.close()
+    alone = share_by_tasks(client, Leases(client, lease_s=5.0), lambda *args: sent.append(args), "extract",
+                           f"job-{next(_jobs)}", 1, ids, helpers=0, min_chunk=1, ordered=True)
+    assert _drain(alone) == ids and len(sent) == 2  # no helpers: the run's own, in order, nothing queued
 
 
 def test_a_killed_helpers_chunk_is_taken_over_when_its_lease_lapses(redis_url):

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from tqdm import tqdm
 
+from eyas.coordination import LocalWork, Work
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import shard_name
-from eyas.handoff import INDEX, StreamPlan, abort, publish
+from eyas.handoff import INDEX, StreamPlan, abort, read_plan
 from eyas.layout import Layout, default_aux_layers
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
@@ -42,9 +42,17 @@ from eyas.target import (
     weight_bytes,
 )
 from services.extractor.plan import Plan, make_plan
-from services.extractor.shards import write_shards
+from services.extractor.shards import Uploaded, write_shards
 from services.extractor.spec import Spec
-from services.extractor.stream import announce, plan_index, published_files, stream_plan, work
+from services.extractor.stream import (
+    announce,
+    objects,
+    plan_index,
+    published,
+    published_files,
+    stream_plan,
+    work,
+)
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "data"
@@ -128,12 +136,37 @@ def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> d
     return files
 
 
-def shard_work(spec: Spec, stream: StreamPlan | None, plan: Plan, output: Artifact, rank: int, world: int,
-               settings: Settings, cancelled) -> Iterator[tuple[int, str]]:
-    """This process's shards: every world-th of the plan's from rank, or its share of the stream."""
+def shard_work(stream: StreamPlan | None, plan: Plan, output: Artifact, rank: int, world: int, settings: Settings,
+               cancelled, claims: Work | None = None) -> tuple[Iterable[tuple[int, str]], Uploaded | None]:
+    """This process's shards, and what to do once each is uploaded: every world-th of the plan's from rank; or of
+    a stream's objects, those `claims` hands out (default: every world-th from rank), each published."""
     if stream is None:
-        return ((i, shard_name(i)) for i in range(rank, len(plan.shards), world))
-    return work(stream, output, rank, world, settings.stream_stall_s, cancelled)
+        return ((i, shard_name(i)) for i in range(rank, len(plan.shards), world)), None
+    claims = claims or LocalWork(objects(stream)[rank::world])
+    return work(stream, output, claims, settings.stream_stall_s, cancelled), published(output, claims)
+
+
+def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, stream: StreamPlan | None,
+                  writer: ArtifactWriter, claims: Work | None, total: int, helper: bool = False) -> str:
+    """Extract in this process (its share of a stream's objects: `claims`; a helper counts its tokens into the
+    run's shared stats before each shard is published); the device the target ran on."""
+    target = load_target(spec.target, place)
+    bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
+    done = 0
+
+    def progress(tokens: int) -> None:
+        nonlocal done
+        done += tokens
+        bar.update(tokens)
+        ctx.metrics.update(tokens=done)
+        if helper:
+            claims.add_stats({"tokens": tokens})
+        ctx.progress(done, total, "tokens")
+
+    items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
+    write_shards(target, job.layout, job.plan, items, writer, progress, uploaded)
+    bar.close()
+    return str(target.input_device)
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
@@ -151,34 +184,25 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         announce(stream, writer)
         ctx.hand_off()  # a train job in `then` may start on the shards as they land
     total = plan.counts["tokens"] * (stream.epochs if stream else 1)
+    # a stream's objects, shared with up to max_workers - 1 helpers where the deployment has them
+    claims = ctx.share(objects(stream), spec.max_workers - 1, 1, True) if stream and n == 1 else None
     try:
         if n == 1:
-            target = load_target(spec.target, place)
-            bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
-            done = 0
-
-            def progress(tokens: int) -> None:
-                nonlocal done
-                done += tokens
-                bar.update(tokens)
-                ctx.metrics.update(tokens=done)
-                ctx.progress(done, total, "tokens")
-
             shards = ArtifactWriter(ctx.output) if stream else writer  # a stream's shards are listed by their markers
-            write_shards(target, layout, plan, shard_work(spec, stream, plan, ctx.output, 0, 1, ctx.settings,
-                                                                ctx.stop.is_set),
-                         shards, progress, partial(publish, ctx.output) if stream else None)
-            bar.close()
-            device = str(target.input_device)
+            device = _extract_here(spec, place, job, ctx, stream, shards, claims, total)
         else:
             files = _extract_distributed(spec, n, ctx, total)
             if stream is None:
                 writer.files.update(files)
             device = place.device.type
+        helped = claims.shared_stats().get("tokens", 0) if claims else 0
     except Exception as e:
         if stream is not None:  # the trainer stops waiting for shards that will not come
             abort(ctx.output, "extractor", f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if claims is not None:
+            claims.close()
     if stream is not None:
         writer.files.update(published_files(stream, ctx.output))
     missing = set() if stream else {shard_name(i) for i in range(len(plan.shards))} - writer.files.keys()
@@ -190,12 +214,29 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     manifest = writer.commit(Manifest(
         kind="features", id=ctx.job_id, job_spec=spec.model_dump(mode="json"), inputs=[spec.data],
         counts=counts, layout=layout.to_dict(), features=FeaturesFacts(chat_template_kwargs=job.template_kwargs),
-        # forward_tokens: what this run's target forwards covered (a recompute stream extracts every epoch)
+        # forward_tokens: what this run's target forwards covered, its helpers' too (a recompute stream extracts
+        # every epoch)
         metrics={**{k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
-                 "forward_tokens": ctx.metrics.get("tokens", counts["tokens"])},
+                 "forward_tokens": ctx.metrics.get("tokens", counts["tokens"]) + helped},
         extra={"source_manifest_id": job.source.id, "policy": policy,
                "compute": {"device": device, "processes": n, "dtype": place.dtype_name}},
     ))
     log.info("features: %s samples, %s tokens in %s shards → %s", counts["samples"], counts["tokens"],
              counts["shards"], ctx.output.uri)
     return StageResult(output_uri=ctx.output.uri, metrics=manifest.metrics)
+
+
+def assist(spec: Spec, ctx: StageContext, claims: Work) -> None:
+    """A helper (service mode): extract the objects of the job's stream that `claims` hands out; the job's own run
+    seals the artifact."""
+    stream = read_plan(ctx.output)
+    if stream is None:
+        return
+    place = placement(ctx.settings, spec.dtype)
+    job = prepare(spec, ctx.settings)
+    if stream_plan(spec.stream, job.plan, job.layout.to_dict(), job.width, job.template_kwargs) != stream:
+        raise RuntimeError(f"{ctx.output.uri}: this worker plans another stream than the job announced (its code "
+                           "or data differ)")
+    _extract_here(spec, place, job, ctx, stream, ArtifactWriter(ctx.output), claims,
+                  job.plan.counts["tokens"] * stream.epochs, helper=True)
+    log.info("helped job %s: %d tokens extracted", ctx.job_id, ctx.metrics.get("tokens", 0))

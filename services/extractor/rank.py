@@ -13,10 +13,9 @@ import json
 import logging
 import os
 import sys
-from functools import partial
 
 from eyas.device import placement
-from eyas.handoff import publish, read_plan
+from eyas.handoff import read_plan
 from eyas.manifest import ArtifactWriter
 from eyas.settings import get_settings
 from eyas.store import open_artifact
@@ -40,10 +39,9 @@ def main(argv: list[str]) -> None:
     output = open_artifact(args.output, settings)
     writer = ArtifactWriter(output)
     stream = read_plan(output) if spec.stream else None  # the parent announced it
-    write_shards(target, job.layout, job.plan, shard_work(spec, stream, job.plan, output, rank, world, settings,
-                                                     lambda: False),
-                 writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
-                 partial(publish, output) if stream else None)
+    items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
+    write_shards(target, job.layout, job.plan, items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
+                 uploaded)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 
 

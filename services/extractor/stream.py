@@ -8,17 +8,22 @@ none is lost.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+from eyas.coordination import Work
 from eyas.features import Index, shard_bytes, shard_name
 from eyas.handoff import (
     FINISHED,
+    POLL_S,
     READY,
     STREAM,
     ShardPlan,
+    StreamAborted,
     StreamPlan,
     consumed_marker,
     is_ready,
+    publish,
     read_plan,
     wait_for,
 )
@@ -57,19 +62,35 @@ def announce(stream: StreamPlan, writer: ArtifactWriter) -> None:
     writer.put_bytes(STREAM, stream.model_dump_json().encode())
 
 
-def work(stream: StreamPlan, artifact: Artifact, rank: int, world: int, stall_s: float,
+def objects(stream: StreamPlan) -> list[str]:
+    """Every object the stream produces, in order: the ids of its Work (eyas.coordination)."""
+    return [stream.object_name(epoch, name) for _, epoch, _, name in stream.sequence()]
+
+
+def work(stream: StreamPlan, artifact: Artifact, claims: Work, stall_s: float,
          cancelled=lambda: False) -> Iterator[tuple[int, str]]:
-    """(plan shard index, object) of this process's share of the stream, in order: every world-th item from rank,
-    skipping what is published or consumed, each yielded once the store may take it; ends early when the trainer
-    has finished."""
-    sequence = stream.sequence()
+    """(plan shard index, object) of the objects `claims` hands this process, in the stream's order, skipping what
+    is published or consumed, each yielded once the store may take it; ends when nothing is left to claim and
+    nobody else holds any (or early, when the trainer has finished). The caller reports each object finished once
+    published (`published`)."""
     index_of = {s.name: i for i, s in enumerate(stream.shards)}
-    window_of = {g: (epoch, w) for g, epoch, w, _ in sequence}
-    for g, epoch, w, name in sequence[rank::world]:
-        if artifact.exists(FINISHED):
-            return
-        obj = stream.object_name(epoch, name)
+    where = {stream.object_name(epoch, name): (g, epoch, w, name) for g, epoch, w, name in stream.sequence()}
+    window_of = {g: (epoch, w) for g, epoch, w, _ in where.values()}
+    delay = POLL_S[0]
+    while not artifact.exists(FINISHED):
+        obj = claims.claim()
+        if obj is None:
+            if claims.open_count() == 0:
+                return
+            if cancelled():  # others still extract their objects: wait for them before the run seals
+                raise StreamAborted(f"{artifact.uri}: stopped waiting for the other extract workers")
+            time.sleep(delay)
+            delay = min(POLL_S[1], delay * 1.5)
+            continue
+        delay = POLL_S[0]
+        g, epoch, w, name = where[obj]
         if is_ready(artifact, obj) or artifact.exists(consumed_marker(epoch, w)):
+            claims.finished([obj])
             continue
         if stream.policy == "recompute" and g >= 2:
             gone = consumed_marker(*window_of[g - 2])
@@ -77,6 +98,16 @@ def work(stream: StreamPlan, artifact: Artifact, rank: int, world: int, stall_s:
                             unless=FINISHED):
                 return
         yield index_of[name], obj
+
+
+def published(artifact: Artifact, claims: Work) -> Callable[[str, FileEntry], None]:
+    """The uploaded-shard callback of a stream: publish its ready marker, then tell `claims` it is done."""
+
+    def uploaded(obj: str, entry: FileEntry) -> None:
+        publish(artifact, obj, entry)
+        claims.finished([obj])
+
+    return uploaded
 
 
 def published_files(stream: StreamPlan, artifact: Artifact) -> dict[str, FileEntry]:
