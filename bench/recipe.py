@@ -12,7 +12,10 @@ spread over prompts (standard error of the mean of per-prompt τ).
         --variant base --variant lr-1e-3:lr=0.001 --variant epochs-6:epochs=6
 
 A variant is NAME or NAME:FIELD=VALUE[,FIELD=VALUE…] over the trainer's CPU preset (services/trainer/spec.py);
-VALUE is JSON. bench/README.md ("Recipe at fixed data") has a table it printed.
+VALUE is JSON. Two fields are not the trainer's: `policy` (first_epoch | recompute) and `store_mb` make the variant
+extract the features' conversations again, streamed to its train job as `eyas run --features-policy` does
+(orchestration.run_command.hand_off_features), at most `store_mb` of features stored; its row counts the target's
+forward tokens. bench/README.md ("Recipe at fixed data") has a table it printed.
 """
 from __future__ import annotations
 
@@ -32,9 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from eyas.exports import load_drafter  # noqa: E402
 from eyas.features import FeatureReader  # noqa: E402
+from eyas.manifest import read_manifest  # noqa: E402
 from eyas.store import open_artifact  # noqa: E402
 from eyas.target import BUNDLED, load_target  # noqa: E402
 from orchestration.embedded import EmbeddedRunner, command_line_settings  # noqa: E402
+from orchestration.run_command import hand_off_features  # noqa: E402
 from services.evaluator.chains import chain_acceptance, drafter_runs, target_pass  # noqa: E402
 from services.evaluator.serving import K_MAX  # noqa: E402
 from services.evaluator.specdec import eval_prompts, greedy, stop_ids  # noqa: E402
@@ -62,6 +67,18 @@ def score(drafter, passes: list[tuple], k: int) -> dict:
     total = chain_acceptance(runs, k)
     return {"tau": total["acceptance_length"], "se": statistics.stdev(per_prompt) / math.sqrt(len(per_prompt)),
             "per_position": total["per_position_acceptance"]}
+
+
+def streamed(features: str, train: dict, policy: str, store_mb: float, workdir: Path) -> tuple:
+    """(extract job, train job): the features' conversations extracted again with the features' own extract spec,
+    streamed to the train job under `policy`."""
+    manifest = read_manifest(open_artifact(features), kind="features")
+    # its shard size is the stream's to choose (shards of a quarter of the cap)
+    extract = {k: v for k, v in manifest.job_spec.items() if k not in ("then", "stream", "shard_mb")}
+    train = {k: v for k, v in train.items() if k != "features"}
+    hand_off_features(extract, train, policy, store_mb / 1024)
+    spec = {**extract, "then": [{"stage": "train", **train}]}
+    return tuple(EmbeddedRunner(command_line_settings("extract", spec, workdir)).run_job("extract", spec))
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -102,24 +119,31 @@ def main() -> None:
     embed = target.model.get_input_embeddings().weight.detach()
     rows = []
     for name, fields in variants:
+        stream = {k: fields.pop(k) for k in ("policy", "store_mb") if k in fields}
         spec = {"features": args.features, "target": layout.target or BUNDLED, **CPU_PRESET, **fields}
-        settings = command_line_settings("train", spec, args.workdir / name)
         t0 = time.monotonic()
-        [job] = EmbeddedRunner(settings).run_job("train", spec)
+        if stream:
+            ext, job = streamed(args.features, spec, stream["policy"], stream.get("store_mb", 64), args.workdir / name)
+            forwards = ext.metrics.get("forward_tokens")
+        else:
+            [job] = EmbeddedRunner(command_line_settings("train", spec, args.workdir / name)).run_job("train", spec)
+            forwards = 0
         if job.state != "succeeded":
             print(json.dumps({"variant": name, "error": job.error}), flush=True)
             continue
         drafter, _ = load_drafter(Path(unquote(urlparse(job.artifacts["output"]).path)) / "eagle", embed)
-        row = {"variant": name, "fields": fields, "train_s": round(time.monotonic() - t0),
-               "val_acc": job.metrics.get("val_acc"), **{s: score(drafter, passes[s], args.k) for s in SETS}}
+        row = {"variant": name, "fields": {**fields, **stream}, "train_s": round(time.monotonic() - t0),
+               "forward_tokens": forwards, "val_acc": job.metrics.get("val_acc"),
+               **{s: score(drafter, passes[s], args.k) for s in SETS}}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) |")
-    print("|---|---|---|---|---|")
+    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) | target forward tokens |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["val_acc"] or [])
         print(f"| {r['variant']} | {r['mt_bench']['tau']:.3f} ± {r['mt_bench']['se']:.3f} | "
-              f"{r['sharegpt']['tau']:.3f} ± {r['sharegpt']['se']:.3f} | {acc} | {r['train_s']} |")
+              f"{r['sharegpt']['tau']:.3f} ± {r['sharegpt']['se']:.3f} | {acc} | {r['train_s']} | "
+              f"{r['forward_tokens'] or '—'} |")
 
 
 if __name__ == "__main__":

@@ -49,16 +49,9 @@ class Spec(StageSpec):
                                   "default: one per visible GPU when the target fits one, else 1")
     stream: StreamSpec | None = Field(None, description="hand the features to a train job while extracting (its "
                                       "`then`: train starts at once); default: extract everything first")
-    max_workers: int = Field(4, ge=1, le=256, description="a stream: most extract workers that share its shards "
-                             "where several run (service mode: its own and helpers the stage's queue reaches, each "
-                             "with a target of its own); 1 = its own only")
-
-    @model_validator(mode="after")
-    def _workers_share_a_stream(self):
-        if "max_workers" in self.model_fields_set and self.max_workers > 1 and self.stream is None:
-            raise ValueError(f"max_workers={self.max_workers} shares a stream's shards among workers; without a "
-                             "stream one worker extracts (processes= spreads it over a node's GPUs)")
-        return self
+    max_workers: int = Field(4, ge=1, le=256, description="with a stream: most extract workers that share its "
+                             "shards where several run (service mode: its own and helpers the stage's queue "
+                             "reaches, each with a target of its own); 1 = its own only")
 
     def hands_off_early(self) -> bool:
         return self.stream is not None
