@@ -12,6 +12,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 SERVICE_ENDPOINT = "http://vllm:8000"
 
 
+def _checkout_vllm_python() -> Path | None:
+    python = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return python if python.exists() else None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EYAS_", env_file=".env", env_ignore_empty=True, extra="ignore")
 
@@ -49,6 +54,13 @@ class Settings(BaseSettings):
     # available, else the CPU; dtype auto = bfloat16 on a GPU, float32 on the CPU (a job spec's dtype wins).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    # The extract stage's vLLM capture engine (services.extractor.vllm_backend): the Python interpreter of vLLM's
+    # environment (default: the checkout's .venv-vllm, where scripts/install-vllm.sh puts it, if present), and
+    # what an extract spec's engine "auto" means here (default: vllm where that interpreter exists, else
+    # transformers).
+    vllm_python: Path | None = Field(default_factory=lambda: _checkout_vllm_python())
+    extract_engine: Literal["vllm", "transformers"] | None = None
 
     api_key: SecretStr | None = None  # bearer key for every API when set
     max_request_bytes: int = Field(1 << 20, ge=1024)  # API request bodies (job specs; data goes by URI)

@@ -21,6 +21,10 @@ from eyas.settings import Settings
 from eyas.store import S3Store
 from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, s3_server, vllm_server
 
+# Extract jobs run the target in transformers unless a test names the vLLM engine (engine: vllm): a capture engine
+# takes ~30 s to start on 2 cores, and tests/test_vllm_capture.py proves it against this path
+os.environ["EYAS_EXTRACT_ENGINE"] = "transformers"
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
@@ -69,6 +73,7 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Servic
         # the API tests queue generate jobs without an endpoint (no worker runs them); tests/test_quotas.py checks
         # that service mode refuses them by default
         "allow_in_process_generation": "true",
+        "extract_engine": "transformers",
     }
     settings = Settings(**values)
     S3Store(settings).ensure_bucket()

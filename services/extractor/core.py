@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -42,7 +43,7 @@ from eyas.target import (
     weight_bytes,
 )
 from services.extractor.plan import Plan, make_plan
-from services.extractor.shards import Uploaded, write_shards
+from services.extractor.shards import Uploaded, hooked, write_shards
 from services.extractor.spec import Spec
 from services.extractor.stream import (
     announce,
@@ -53,6 +54,7 @@ from services.extractor.stream import (
     stream_plan,
     work,
 )
+from services.extractor.vllm_backend import EngineConfig, EngineUnavailable, extract_with_vllm
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "data"
@@ -146,11 +148,28 @@ def shard_work(stream: StreamPlan | None, plan: Plan, output: Artifact, rank: in
     return work(stream, output, claims, settings.stream_stall_s, cancelled), published(output, claims)
 
 
+def engine_for(spec: Spec, settings: Settings) -> str:
+    """The engine that runs the target: the spec's, else the deployment's, else vllm where installed."""
+    if spec.engine != "auto":
+        return spec.engine
+    if settings.extract_engine is not None:
+        return settings.extract_engine
+    return "vllm" if settings.vllm_python is not None else "transformers"
+
+
+def engine_config(spec: Spec, place: Placement, job: Job, settings: Settings) -> EngineConfig:
+    if settings.vllm_python is None:
+        raise EngineUnavailable("no vLLM environment here: run scripts/install-vllm.sh, or set EYAS_VLLM_PYTHON")
+    gpus = torch.cuda.device_count() if place.device.type == "cuda" else 1
+    return EngineConfig(python=str(settings.vllm_python), target=str(resolve_target(spec.target)),
+                        aux_layers=job.layout.aux_layers, num_layers=job.layout.num_layers, dtype=place.dtype_name,
+                        tensor_parallel_size=spec.tensor_parallel_size or gpus, max_model_len=spec.max_length + 1)
+
+
 def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, stream: StreamPlan | None,
-                  writer: ArtifactWriter, claims: Work | None, total: int, helper: bool = False) -> str:
-    """Extract in this process (its share of a stream's objects: `claims`; a helper counts its tokens into the
-    run's shared stats before each shard is published); the device the target ran on."""
-    target = load_target(spec.target, place)
+                  writer: ArtifactWriter, claims: Work | None, total: int, helper: bool = False) -> dict[str, Any]:
+    """Extract in this process, or on its vLLM engine (its share of a stream's objects: `claims`; a helper counts
+    its tokens into the run's shared stats before each shard is published). What ran, for the manifest."""
     bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True)
     done = 0
 
@@ -163,10 +182,24 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
             claims.add_stats({"tokens": tokens})
         ctx.progress(done, total, "tokens")
 
+    engine = engine_for(spec, ctx.settings)
+    if engine == "vllm":
+        try:
+            config = engine_config(spec, place, job, ctx.settings)
+            items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
+            writer.files.update(extract_with_vllm(config, ctx.output.uri, job.plan.shards, items, progress, uploaded,
+                                                  ctx.check))
+            bar.close()
+            return {"engine": "vllm", "device": place.device.type, "tensor_parallel_size": config.tensor_parallel_size}
+        except EngineUnavailable as e:  # raised before any shard was taken
+            if spec.engine == "vllm":
+                raise
+            log.warning("extracting with transformers: %s", e)
+    target = load_target(spec.target, place)
     items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
-    write_shards(target, job.layout, job.plan, items, writer, progress, uploaded)
+    write_shards(hooked(target, job.layout), job.plan.shards, items, writer, progress, uploaded)
     bar.close()
-    return str(target.input_device)
+    return {"engine": "transformers", "device": str(target.input_device), "processes": 1}
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
@@ -175,7 +208,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     spec = spec.model_copy(update={"dtype": place.dtype_name})
     job = prepare(spec, ctx.settings)
     plan, layout = job.plan, job.layout
-    n = processes(spec, place)
+    n = 1 if engine_for(spec, ctx.settings) == "vllm" else processes(spec, place)
     writer = ArtifactWriter(ctx.output)
     writer.put_bytes(INDEX, plan_index(plan).to_bytes())  # what a trainer plans from
     stream = None
@@ -189,12 +222,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     try:
         if n == 1:
             shards = ArtifactWriter(ctx.output) if stream else writer  # a stream's shards are listed by their markers
-            device = _extract_here(spec, place, job, ctx, stream, shards, claims, total)
+            compute = _extract_here(spec, place, job, ctx, stream, shards, claims, total)
         else:
             files = _extract_distributed(spec, n, ctx, total)
             if stream is None:
                 writer.files.update(files)
-            device = place.device.type
+            compute = {"engine": "transformers", "device": place.device.type, "processes": n}
         helped = claims.shared_stats().get("tokens", 0) if claims else 0
     except Exception as e:
         if stream is not None:  # the trainer stops waiting for shards that will not come
@@ -219,7 +252,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         metrics={**{k: counts[k] for k in ("samples", "tokens", "supervised_tokens")},
                  "forward_tokens": ctx.metrics.get("tokens", counts["tokens"]) + helped},
         extra={"source_manifest_id": job.source.id, "policy": policy,
-               "compute": {"device": device, "processes": n, "dtype": place.dtype_name}},
+               "compute": {**compute, "dtype": place.dtype_name}},
     ))
     log.info("features: %s samples, %s tokens in %s shards → %s", counts["samples"], counts["tokens"],
              counts["shards"], ctx.output.uri)

@@ -21,7 +21,7 @@ from eyas.settings import get_settings
 from eyas.store import open_artifact
 from eyas.target import load_target
 from services.extractor.core import FILES_TAG, PROGRESS_TAG, prepare, shard_work
-from services.extractor.shards import write_shards
+from services.extractor.shards import hooked, write_shards
 from services.extractor.spec import Spec
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     writer = ArtifactWriter(output)
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
-    write_shards(target, job.layout, job.plan, items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
+    write_shards(hooked(target, job.layout), job.plan.shards, items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
                  uploaded)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 

@@ -4,7 +4,7 @@ NaN/inf in any captured activation fails the job, naming the sample."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, FileEntry
 from eyas.target import Target
 from services.extractor.offload import Background, Ready, to_host
-from services.extractor.plan import Batch, Plan
+from services.extractor.plan import Batch
 
 
 class BadActivation(ValueError):
@@ -58,17 +58,26 @@ def _flush(buf: ShardBuffer, path: Path, obj: str, writer: ArtifactWriter, uploa
 Uploaded = Callable[[str, FileEntry], None]  # (object, its entry), once a shard is uploaded
 
 
-def write_shards(target: Target, layout: Layout, plan: Plan, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
+# a forward batch → (aux [B, T, n_aux·H], final [B, T, H]), right-padded to its longest sample, on any device
+Capture = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+Shards = Sequence[list[Batch]] | Mapping[int, list[Batch]]  # a plan's shards (Plan.shards), or some of them by index
+
+
+def hooked(target: Target, layout: Layout) -> Capture:
+    """The transformers capture (eyas.capture: forward hooks on the layout's layers)."""
+    return lambda batch: capture(target, layout, *padded(batch))
+
+
+def write_shards(capture_batch: Capture, shards: Shards, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
                  progress: Callable[[int], None], uploaded: Uploaded | None = None) -> None:
-    """Extract the plan's shards named in `work` ((plan index, object name) pairs, taken lazily: a producer may
-    wait before yielding the next) into `writer`'s artifact; `progress(tokens)` after each batch's forward,
-    `uploaded(obj, entry)` after each shard's upload."""
+    """Extract the planned shards named in `work` ((index into `shards`, object name) pairs, taken lazily: a
+    producer may wait before yielding the next) into `writer`'s artifact with `capture_batch`;
+    `progress(tokens)` after each batch's forward, `uploaded(obj, entry)` after each shard's upload."""
     with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp, Background() as background:
         for index, obj in work:
             buf = ShardBuffer()
-            for batch in plan.shards[index]:
-                ids, mask = padded(batch)
-                aux, final = capture(target, layout, ids, mask)  # on the target's input device
+            for batch in shards[index]:
+                aux, final = capture_batch(batch)
                 background.submit(partial(_add, buf, batch, to_host(aux, final)))
                 progress(sum(len(item.input_ids) for item in batch))
             path = Path(tmp) / obj.replace("/", "-")

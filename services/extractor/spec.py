@@ -45,8 +45,16 @@ class Spec(StageSpec):
     shard_mb: int = Field(256, ge=1, le=4096)
     dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
                              "CPU). Features are stored in bf16 either way")
-    processes: int | None = Field(None, ge=1, le=64, description="extractor processes under torchrun, one per GPU; "
-                                  "default: one per visible GPU when the target fits one, else 1")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="what runs the target: vllm (the serving engine, its extract_hidden_states method, "
+        "tensor parallel over the node's GPUs) or transformers (forward hooks, torchrun processes); auto: the "
+        "deployment's choice (EYAS_EXTRACT_ENGINE), else vllm where its environment is installed and it serves "
+        "the target's architecture, else transformers. The features manifest records which ran")
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64, description="vllm: GPUs the engine spreads the target "
+                                             "over; default: every visible GPU (1 on the CPU)")
+    processes: int | None = Field(None, ge=1, le=64, description="transformers: extractor processes under "
+                                  "torchrun, one per GPU; default: one per visible GPU when the target fits one, "
+                                  "else 1")
     stream: StreamSpec | None = Field(None, description="hand the features to a train job while extracting (its "
                                       "`then`: train starts at once); default: extract everything first")
     max_workers: int = Field(4, ge=1, le=256, description="with a stream: most extract workers that share its "

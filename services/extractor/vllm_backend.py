@@ -1,0 +1,159 @@
+"""The extract stage's vLLM backend, this side of it: a capture engine process (services.extractor.vllm_server) in
+vLLM's own environment, started on a worker's first vLLM job and kept for the jobs after it (one engine per
+process: a job for another target or layout replaces it). A job sends it the planned shards one at a time, as the
+engine takes them, and relays what it reports: progress, and each shard once uploaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.manifest import FileEntry
+from services.extractor.plan import Batch
+from services.extractor.shards import Uploaded
+from services.extractor.vllm_protocol import DONE, NEXT, PROGRESS, READY, TAGS, UNSUPPORTED, UPLOADED
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+CHECK_S = 0.5
+
+
+class EngineUnavailable(RuntimeError):
+    """vLLM cannot serve this target here (no vLLM environment, or an architecture it does not know)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    python: str  # the interpreter of vLLM's environment
+    target: str  # the target's HF directory
+    aux_layers: tuple[int, ...]
+    num_layers: int
+    dtype: str
+    tensor_parallel_size: int
+    max_model_len: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, check: Callable[[], None]):
+        self.config = config
+        cmd = [config.python, "-m", "services.extractor.vllm_server", "--target", config.target,
+               "--aux-layers", ",".join(map(str, config.aux_layers)), "--num-layers", str(config.num_layers),
+               "--dtype", config.dtype, "--tensor-parallel-size", str(config.tensor_parallel_size),
+               "--max-model-len", str(config.max_model_len)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                                     start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="eyas-vllm-engine", daemon=True).start()
+        log.info("starting the vLLM capture engine for %s (tensor parallel %d)", config.target,
+                 config.tensor_parallel_size)
+        try:
+            for tag, payload in self._replies(check):
+                if tag == READY:
+                    return
+                if tag == UNSUPPORTED:
+                    raise EngineUnavailable(payload)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _replies(self, check: Callable[[], None]):
+        """(tag, payload) of each tagged line the engine prints; its other lines go to the log."""
+        while True:
+            check()
+            try:
+                line = self.lines.get(timeout=CHECK_S)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"the vLLM capture engine exited with {self.proc.wait()} (its log is above)")
+            tag = next((t for t in TAGS if line.startswith(t)), None)
+            if tag is None:
+                print(line, file=sys.stderr, flush=True)  # the engine's own log
+                continue
+            yield tag, line[len(tag):]
+
+    def _send(self, msg: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def extract(self, output_uri: str, shards, work: Iterable[tuple[int, str]], progress: Callable[[int], None],
+                uploaded: Uploaded | None, check: Callable[[], None]) -> dict[str, FileEntry]:
+        """Extract the shards `work` names (taken lazily, one ahead of the engine) into the artifact at
+        `output_uri`; the entries of the shards uploaded."""
+        items = iter(work)
+        files: dict[str, FileEntry] = {}
+        self._send({"output": output_uri})
+
+        def send_next() -> None:
+            item = next(items, None)
+            if item is None:
+                self._send({"end": True})
+                return
+            index, obj = item
+            batches: list[Batch] = shards[index]
+            self._send({"index": index, "obj": obj,
+                        "batches": [[[it.id, it.input_ids, it.loss_mask] for it in b] for b in batches]})
+
+        send_next()
+        for tag, payload in self._replies(check):
+            if tag == NEXT:
+                send_next()
+            elif tag == PROGRESS:
+                progress(int(payload))
+            elif tag == UPLOADED:
+                msg = json.loads(payload)
+                files[msg["obj"]] = entry = FileEntry(**msg["entry"])
+                if uploaded is not None:
+                    uploaded(msg["obj"], entry)
+            elif tag == DONE:
+                return files
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 15)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+_engine: Engine | None = None
+_lock = threading.Lock()
+
+
+def extract_with_vllm(config: EngineConfig, output_uri: str, shards, work: Iterable[tuple[int, str]],
+                      progress: Callable[[int], None], uploaded: Uploaded | None,
+                      check: Callable[[], None]) -> dict[str, FileEntry]:
+    """Run the job's shards on this process's engine (started, or restarted for another config, as needed). A job
+    that fails or is cancelled mid-way stops the engine: the next job starts a fresh one."""
+    global _engine
+    with _lock:
+        if _engine is not None and (_engine.config != config or _engine.proc.poll() is not None):
+            _engine.close()
+            _engine = None
+        if _engine is None:
+            _engine = Engine(config, check)
+        try:
+            return _engine.extract(output_uri, shards, work, progress, uploaded, check)
+        except BaseException:
+            _engine.close()
+            _engine = None
+            raise
