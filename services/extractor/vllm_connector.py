@@ -90,7 +90,7 @@ class EyasCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         return 0, False  # nothing is loaded from outside
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        pass
+        del request, blocks, num_external_tokens  # nothing is loaded from outside
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = _Metadata(finished=set(scheduler_output.finished_req_ids))
@@ -144,13 +144,14 @@ class EyasCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"hidden-state cache {tuple(self._cache.shape)} against block size {self._block_size}")
 
     def start_load_kv(self, forward_context, **kwargs):
-        pass
+        del forward_context, kwargs  # nothing to load
 
     def wait_for_layer_load(self, layer_name):
-        pass
+        del layer_name
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass  # the rows are read in wait_for_save, once the step's forwards (which write them) have run
+        del layer_name, kv_layer, attn_metadata, kwargs  # the rows are read in wait_for_save, once the step's
+        # forwards (which write them) have run
 
     def wait_for_save(self):
         if not self.has_connector_metadata():
