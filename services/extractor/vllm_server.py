@@ -32,6 +32,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 # as soon as its one token is out
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# max_model_len is the longest sample + 1 (the engine samples one token after each prompt, which it never runs):
+# a sample as long as the target's context is captured, which vLLM would otherwise refuse
+os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
 import torch  # noqa: E402
 
