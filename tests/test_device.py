@@ -152,7 +152,8 @@ def test_every_stage_runs_where_the_settings_place_it(tiny, tmp_path, monkeypatc
         moved = _pipeline(tmp_path / "moved", data, tiny)
     features = [read_manifest(open_artifact(run[0].artifacts["output"])) for run in (cpu, moved)]
     assert features[0].files == features[1].files  # the same bytes
-    assert features[1].extra["compute"] == {"device": str(VIRTUAL), "processes": 1, "dtype": "float32"}
+    assert features[1].extra["compute"] == {"engine": "transformers", "device": str(VIRTUAL), "processes": 1,
+                                            "dtype": "float32"}
     drafter = read_manifest(open_artifact(moved[1].artifacts["output"]))
     assert drafter.extra["compute"] == {"device": str(VIRTUAL), "processes": 1, "dtype": "float32"}
     report = json.loads((local(moved[2].artifacts["output"]) / "report.json").read_text())
