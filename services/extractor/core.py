@@ -154,12 +154,13 @@ def engine_for(spec: Spec, settings: Settings) -> str:
         return spec.engine
     if settings.extract_engine is not None:
         return settings.extract_engine
-    return "vllm" if settings.vllm_python is not None else "transformers"
+    return "vllm" if settings.vllm_python is not None and settings.vllm_python.exists() else "transformers"
 
 
 def engine_config(spec: Spec, place: Placement, job: Job, settings: Settings) -> EngineConfig:
-    if settings.vllm_python is None:
-        raise EngineUnavailable("no vLLM environment here: run scripts/install-vllm.sh, or set EYAS_VLLM_PYTHON")
+    if settings.vllm_python is None or not settings.vllm_python.exists():
+        raise EngineUnavailable(f"no vLLM environment here (EYAS_VLLM_PYTHON={settings.vllm_python}): run "
+                                "scripts/install-vllm.sh, or set EYAS_VLLM_PYTHON to vLLM's interpreter")
     gpus = torch.cuda.device_count() if place.device.type == "cuda" else 1
     return EngineConfig(python=str(settings.vllm_python), target=str(resolve_target(spec.target)),
                         aux_layers=job.layout.aux_layers, num_layers=job.layout.num_layers, dtype=place.dtype_name,

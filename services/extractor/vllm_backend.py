@@ -11,6 +11,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,8 +49,14 @@ class Engine:
                "--aux-layers", ",".join(map(str, config.aux_layers)), "--num-layers", str(config.num_layers),
                "--dtype", config.dtype, "--tensor-parallel-size", str(config.tensor_parallel_size),
                "--max-model-len", str(config.max_model_len)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        # A checkout: vLLM's environment imports Eyas from it. An image installs Eyas into that environment instead,
+        # and this process's site-packages (its torch) must not be on the engine's path: not its PYTHONPATH, not its
+        # working directory (python -m puts that first).
+        env, cwd = dict(os.environ), tempfile.gettempdir()
+        if (REPO / "pyproject.toml").exists():
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+            cwd = str(REPO)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,
                                      start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name="eyas-vllm-engine", daemon=True).start()
