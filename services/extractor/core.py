@@ -183,11 +183,11 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
             claims.add_stats({"tokens": tokens})
         ctx.progress(done, total, "tokens")
 
-    engine = engine_for(spec, ctx.settings)
-    if engine == "vllm":
+    # taken lazily: an engine that cannot start has taken none, and the fallback takes them all
+    items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
+    if engine_for(spec, ctx.settings) == "vllm":
         try:
             config = engine_config(spec, place, job, ctx.settings)
-            items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
             writer.files.update(extract_with_vllm(config, ctx.output.uri, job.plan.shards, items, progress, uploaded,
                                                   ctx.check))
             bar.close()
@@ -197,7 +197,6 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
                 raise
             log.warning("extracting with transformers: %s", e)
     target = load_target(spec.target, place)
-    items, uploaded = shard_work(stream, job.plan, ctx.output, 0, 1, ctx.settings, ctx.stop.is_set, claims)
     write_shards(hooked(target, job.layout), job.plan.shards, items, writer, progress, uploaded)
     bar.close()
     return {"engine": "transformers", "device": str(target.input_device), "processes": 1}

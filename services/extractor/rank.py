@@ -40,8 +40,8 @@ def main(argv: list[str]) -> None:
     writer = ArtifactWriter(output)
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
-    write_shards(hooked(target, job.layout), job.plan.shards, items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True),
-                 uploaded)
+    write_shards(hooked(target, job.layout), job.plan.shards, items, writer,
+                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import subprocess
 import sys
 import tempfile
@@ -18,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.manifest import FileEntry
+from eyas.ranks import Lines
 from services.extractor.plan import Batch
 from services.extractor.shards import Uploaded
 from services.extractor.vllm_protocol import DONE, NEXT, PROGRESS, READY, TAGS, UNSUPPORTED, UPLOADED
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-CHECK_S = 0.5
 
 
 class EngineUnavailable(RuntimeError):
@@ -58,8 +57,7 @@ class Engine:
             cwd = str(REPO)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,
                                      start_new_session=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name="eyas-vllm-engine", daemon=True).start()
+        self.lines = Lines(self.proc, "eyas-vllm-engine")
         log.info("starting the vLLM capture engine for %s (tensor parallel %d)", config.target,
                  config.tensor_parallel_size)
         try:
@@ -72,27 +70,15 @@ class Engine:
             self.close()
             raise
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
     def _replies(self, check: Callable[[], None]):
         """(tag, payload) of each tagged line the engine prints; its other lines go to the log."""
-        while True:
-            check()
-            try:
-                line = self.lines.get(timeout=CHECK_S)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"the vLLM capture engine exited with {self.proc.wait()} (its log is above)")
+        for line in self.lines.follow(check):
             tag = next((t for t in TAGS if line.startswith(t)), None)
             if tag is None:
-                print(line, file=sys.stderr, flush=True)  # the engine's own log
+                sys.stderr.write(line)  # the engine's own log
                 continue
-            yield tag, line[len(tag):]
+            yield tag, line[len(tag):].rstrip("\n")
+        raise RuntimeError(f"the vLLM capture engine exited with {self.proc.wait()} (its log is above)")
 
     def _send(self, msg: dict) -> None:
         assert self.proc.stdin is not None
