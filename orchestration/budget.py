@@ -1,29 +1,26 @@
-"""`eyas run --minutes N`: size the embedded run to a wall-time budget on this machine.
+"""`eyas run --minutes N`: the budget's arithmetic. A budget is a deadline; a plan is a forecast.
 
-In its first seconds the run measures what each stage's time is made of, with the target it will train for:
-  decode    new tokens/s of in-process generation at the run's batch and at half of it (prompt synthesis and
-            the answers run in balanced batches of between the two)
-  forward   target forward tokens/s over whole conversations (extraction)
-  train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths,
-            in a batch shaped like the run's)
-  validate  the same batch's tokens/s forward only (the trainer's validation passes)
-  step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
-            decoding of DECODE_PROMPTS prompts goes token by token)
-and then sizes the prompts, the evaluation prompts and, for budgets too small for one batch, the answer length, so
-that the whole run fits at the trainer's epochs; what is left buys more epochs. What one
-prompt costs in tokens (the constants below) was measured on the bundled target; bench/README.md ("eyas run
---minutes") has the plans against the times they took. The planned features, against the store's disk cap, decide
-how they reach training (`features_policy`): cached whole, or streamed to a train job running beside extraction.
+From the rates orchestration/probe.py measures in the run's first seconds, `plan_run` sizes the prompts, the
+evaluation prompts and, for budgets too small for one batch, the answer length, so that the whole run fits at the
+trainer's epochs (what is left buys more epochs). That plan only sets each stage's first share of the budget: every
+stage then works to a deadline (its spec's `finish_by`) and stops at its own boundary, and at every stage boundary
+`replan` divides what is left among the stages still to run, from the rates scaled by how fast the stages so far
+actually went (`speed`). What one prompt costs in tokens (the constants below) was measured on the bundled
+target; bench/README.md ("eyas run --minutes") has the plans against the times they took. The planned features,
+against the store's disk cap, decide how they reach training (`features_policy`): cached whole, or streamed to a
+train job running beside extraction. The stages' own defaults (epochs, validation split, evaluation lengths) are
+read from their specs.
 """
 from __future__ import annotations
 
 import math
-import time
 import typing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from eyas.features import shard_bytes
+from services.evaluator.spec import Spec as EvalSpec
+from services.evaluator.steptime import STEP_TIMES_S
 from services.trainer.data import total_steps
 from services.trainer.spec import CPU_PRESET
 from services.trainer.spec import Spec as TrainSpec
@@ -41,19 +38,18 @@ ANSWER_STEP_COST = 1.2  # per `max_tokens` of an answer
 ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap): what extraction and training see
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
 ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md, "What moves τ")
-EVAL_NEW_TOKENS = 128  # the evaluator's max_new_tokens
-SECOND_SET_PROMPTS = 5  # the evaluator's second held-out set (services/evaluator/core.py: second_num_prompts)
+EVAL_NEW_TOKENS = EvalSpec.model_fields["max_new_tokens"].default
+SECOND_SET_PROMPTS = EvalSpec.model_fields["second_num_prompts"].default  # the evaluator's second held-out set
 # The evaluator's greedy outputs run in batches of 32 with transformers' `generate` (services/evaluator/specdec.py:
 # greedy), dearer per token than generation's own decoding, and each prompt then has one teacher-forced forward
 # (the replay). Measured on the `make run` above: evaluation took 106 s.
 EVAL_GREEDY_COST = 3.5  # seconds per evaluation token, in units of 1 / decode_tok_s
 DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-process (the replay's check)
 DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
-STEP_TIMES_S = 25.0  # the serving advisor's in-process step-time points (services/evaluator/steptime.py)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
-EPOCHS = 3.0  # the trainer's CPU preset (services/trainer/spec.py: CPU_PRESET), what prompts are sized with
+EPOCHS = float(CPU_PRESET["epochs"])  # what prompts are sized with
 MAX_EPOCHS = 6.0  # the time the prompts leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
-TRAIN_SHARE = 0.9  # of the samples (val_every 10)
+TRAIN_SHARE = 1 - 1 / TrainSpec.model_fields["val_every"].default  # of the samples (the rest validate)
 # Validations `eyas run` asks of the trainer, about (the first, at step 0, and the last included): enough points for
 # the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
 # 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
@@ -84,7 +80,7 @@ class Plan:
     seconds: dict[str, float]  # predicted, per stage
 
     def describe(self) -> str:
-        stages = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        stages = describe_seconds(self.seconds)
         return (f"plan for {self.minutes:g} min: {self.num_prompts} prompts × {self.max_tokens} tokens, "
                 f"{self.epochs:g} epochs, {self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
                 f"(total {sum(self.seconds.values()):.0f} s)")
@@ -193,78 +189,50 @@ def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_
                 stage_seconds(rates, prompts, max_tokens, n_eval, batch, epochs))
 
 
-def measure_rates(target_name: str, batch: int) -> Rates:
-    """The four rates on this machine, in a few seconds, with the stages' own code paths where they have one."""
-    import torch
-
-    from eyas.batching import Batch
-    from eyas.drafter import Drafter, DrafterConfig
-    from eyas.ttt import label_rows, target_top, ttt_forward
-    from services.generator.engine import InProcessEngine
-    from services.generator.spec import SamplingParams
-
-    engine = InProcessEngine(target_name, max_batch=batch)
-    model = engine.target.model
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    # a few words, no chat template: the probe times decoding steps, not the prompts' prefill
-    texts = [f"A fact about the number {i}:" for i in range(batch)]
-    engine.generate_texts(texts[:2], params.model_copy(update={"max_tokens": 2}))  # warm-up
-    decode = []
-    for rows in (batch, max(1, batch // 2)):
-        t0 = time.perf_counter()
-        done = engine.generate_texts(texts[:rows], params)
-        decode.append(sum(c.completion_tokens for c in done) / (time.perf_counter() - t0))
-
-    cfg = model.config
-    ids = torch.randint(0, cfg.vocab_size, (4, 256))
-    with torch.inference_mode():
-        model(input_ids=ids[:1, :16])  # warm-up
-        t0 = time.perf_counter()
-        model(input_ids=ids, output_hidden_states=True)
-        forward = ids.numel() / (time.perf_counter() - t0)
-        out = model(input_ids=ids[:1, :64], use_cache=True)
-        t1 = time.perf_counter()
-        for i in range(8):
-            out = model(input_ids=ids[:1, 64 + i:65 + i], past_key_values=out.past_key_values, use_cache=True)
-        step = (time.perf_counter() - t1) / 8
-
-    torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.from_target(cfg, 4096, num_aux=3))
-    drafter.set_vocab(torch.arange(4096))
-    head = model.get_output_embeddings().weight.detach()
-    h = cfg.hidden_size
-    # a batch shaped like the run's: rows of a prompt and its answer up to the preset's 512 tokens, loss on the
-    # answers only (the lm_head runs on those)
-    prompt, n = PROMPT_TOKENS, PROMPT_TOKENS + round(ANSWER_FILL * ANSWER_TOKENS)
-    rows = 512 // n
-    mask = torch.zeros(rows, n, dtype=torch.int64)
-    mask[:, prompt:] = 1
-    fake = Batch(input_ids=ids.reshape(-1)[:rows * n].view(rows, n), loss_mask=mask,
-                 lengths=torch.full((rows,), n), aux_hidden=torch.randn(rows, n, 3 * h),
-                 final_hidden=torch.randn(rows, n, h))
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    times = []
-    for _ in range(3):  # the first one warms up
-        t0 = time.perf_counter()
-        res = ttt_forward(drafter, fake, head, 3)
-        res.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    train = rows * n / min(times[1:])
-    # validation: forward only, with the target's argmax cached as the trainer caches it after the first pass
-    fake = replace(fake, target_top=target_top(fake.final_hidden, head, label_rows(mask)))
-    times = []
-    with torch.no_grad():
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ttt_forward(drafter, fake, head, 3)
-            times.append(time.perf_counter() - t0)
-    return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward, train_tok_s=train,
-                 val_tok_s=rows * n / min(times[1:]), step_s=step)
+def scaled(rates: Rates, speed: float) -> Rates:
+    """The rates of a machine `speed` times as fast as the probe read it (busier: below 1)."""
+    return Rates(decode_tok_s=rates.decode_tok_s * speed, decode_half_tok_s=rates.decode_half_tok_s * speed,
+                 forward_tok_s=rates.forward_tok_s * speed, train_tok_s=rates.train_tok_s * speed,
+                 val_tok_s=rates.val_tok_s * speed, step_s=rates.step_s / speed)
 
 
-def rates_line(rates: Rates) -> str:
-    r = asdict(rates)
-    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), forward {r['forward_tok_s']:.0f} tok/s, "
-            f"train {r['train_tok_s']:.0f} tok/s (validate {r['val_tok_s']:.0f}), target step {1000 * r['step_s']:.0f} ms")
+def speed(predicted_s: float, took_s: float) -> float:
+    """How much faster than the probe's rates a stage went (its predicted seconds for what it did over the seconds
+    it took), within 1/8 and 8: one stage's reading, not a verdict on the machine."""
+    return min(8.0, max(1 / 8, predicted_s / max(took_s, 1e-3)))
+
+
+def synth_share(max_tokens: int) -> float:
+    """Synthesis's share of generation's time: its steps per kept prompt against the answer's."""
+    synth = SYNTH_DRAWS * SYNTH_TOKENS
+    return synth / (synth + ANSWER_STEP_COST * max_tokens)
+
+
+@dataclass(frozen=True)
+class Done:
+    """What the stages so far produced: `samples` conversations, `tokens` in them as extraction and training see
+    them (rendered prompts and answers)."""
+    samples: int
+    tokens: float
+
+
+def replan(left_s: float, rates: Rates, done: Done, eval_prompts: int, batch: int, stages: tuple[str, ...],
+           overlap: bool = False) -> dict[str, float]:
+    """Seconds for each of `stages` (those still to run, of extract, train, evaluate) out of the `left_s` seconds
+    left: extraction and evaluation as the (re-scaled) rates predict them for the data there is, training the rest
+    (at least a tenth of what is left). `overlap`: extraction runs beside training (a streamed policy), so it takes
+    no time of its own."""
+    fixed = FIXED_S / 4
+    predicted = {
+        "extract": 0.0 if overlap else fixed + done.tokens / rates.forward_tok_s,
+        "evaluate": stage_seconds(rates, 0, ANSWER_TOKENS, eval_prompts, batch)["evaluate"],
+    }
+    out = {s: predicted[s] for s in stages if s in predicted}
+    if "train" in stages:
+        out["train"] = max(0.1 * left_s, left_s - sum(out.values()))
+    scale = min(1.0, left_s / max(sum(out.values()), 1e-9))  # nothing plans past the budget
+    return {s: out[s] * scale for s in stages if s in out}
+
+
+def describe_seconds(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())

@@ -1,8 +1,10 @@
 """`eyas run`: generate → extract → train → evaluate on the embedded default, with progress for each stage.
 
-The run fits a time budget (`--minutes`, default 10): it measures this machine's rates in its first seconds and
-sizes the prompts and the evaluation to fit (orchestration/budget.py), prints the plan, and ends with the stage
-times it took beside the plan's. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a
+The run keeps to a time budget (`--minutes`, default 10): it measures this machine's rates in its first seconds
+(orchestration/probe.py) and plans each stage's share (orchestration/budget.py); each stage then works to its
+deadline (generation keeps producing answers, training keeps stepping, evaluation keeps scoring prompts until
+theirs), and at every stage boundary the rest is re-planned from how fast the stages actually went. It prints the
+plan, each re-plan, and ends with the stage times planned, re-planned and taken. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a
 local directory store. Every stage runs through the same pipeline code as the services. When the planned features
 do not fit the store's disk cap (`--store-gb`), extraction and training run together on a bounded window of them
 (`--features-policy`).
@@ -111,74 +113,122 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.budget import (
         ANSWER_TOKENS,
         DECODE_PROMPTS,
+        MAX_EPOCHS,
+        PROMPT_TOKENS,
+        Done,
         batches,
         features_gb,
         features_policy,
-        measure_rates,
         plan_run,
-        rates_line,
+        replan,
+        scaled,
+        stage_seconds,
+        synth_share,
         train_steps,
         val_interval,
     )
     from orchestration.embedded import EmbeddedRunner, command_line_settings
+    from orchestration.probe import measure_rates, rates_line
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
+    end = time.time() + 60 * args.minutes  # the budget is a deadline: every stage's is a share of what is left
     print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
     rates = measure_rates(args.target, args.batch)
     plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS,
                     spent_s=time.monotonic() - t0)
-    num_prompts = args.num_prompts or plan.num_prompts
     max_tokens = args.max_tokens or plan.max_tokens
     eval_prompts = args.eval_prompts or plan.eval_prompts
     print(rates_line(rates))
     print(plan.describe())
-    if (num_prompts, max_tokens, eval_prompts) != (plan.num_prompts, plan.max_tokens, plan.eval_prompts):
-        print(f"running with {num_prompts} prompts × {max_tokens} tokens, {eval_prompts} evaluation prompts "
-              "(the flags given)")
-    steps = train_steps(num_prompts, max_tokens, plan.epochs, args.train_steps)
-    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": plan.epochs,
-                   "val_interval": val_interval(steps)}
+    # At most this many prompts: without --num-prompts the generation deadline decides how many there are (the
+    # plan's count is a forecast from the first seconds)
+    most_prompts = args.num_prompts or max(4 * plan.num_prompts, 2 * args.batch)
+    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS}
     if args.train_steps:
         train["steps"] = args.train_steps
-    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": eval_prompts,
-                      "decode_prompts": DECODE_PROMPTS}
+    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": args.eval_prompts or 80,
+                      "min_prompts": min(eval_prompts, 16), "decode_prompts": DECODE_PROMPTS}
     extract: dict = {"stage": "extract", "target": args.target}
     spec = {
-        **({"prompts": args.prompts, "limit": num_prompts} if args.prompts else {"synthesize": num_prompts}),
+        **({"prompts": args.prompts, "limit": most_prompts} if args.prompts else {"synthesize": most_prompts}),
         "endpoint": args.endpoint, "target": args.target, "max_turns": 1,
-        "concurrency": args.batch if args.endpoint else max(batches(num_prompts, args.batch)),
+        "concurrency": args.batch if args.endpoint else max(batches(most_prompts, args.batch)),
         "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
     }
     apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
-    config = json.loads((resolve_target(args.target) / "config.json").read_text())
-    hidden = config["hidden_size"]
-    n_aux = len(extract.get("aux_layers") or default_aux_layers(config["num_hidden_layers"]))
-    planned_gb = features_gb(num_prompts, max_tokens, hidden, n_aux)
-    cap_gb = args.store_gb or half_free_gb(args.workdir)
-    policy, why = features_policy(args.features_policy, planned_gb, cap_gb)
-    print(f"features: {policy}: {why}")
-    hand_off_features(extract, train, policy, cap_gb)
-    spec["then"] = [extract, train, evaluate]
     settings = command_line_settings("generate", spec, args.workdir)
-    jobs = EmbeddedRunner(settings).run_job("generate", spec)
+    runner = EmbeddedRunner(settings)
+    replanned: dict[str, float] = {}
+    jobs = []
+
+    # generation: its share of what is left, synthesis first (its share of that), then the answers
+    share = plan.seconds["generate"] * (end - time.time()) / sum(plan.seconds.values())
+    now = time.time()
+    spec["finish_by"] = now + share
+    if not args.prompts:
+        spec["synthesize_by"] = now + share * synth_share(max_tokens)
+    jobs += runner.run_job("generate", spec)
+    generated = jobs[-1]
+    if generated.state != "succeeded":
+        return _unfinished(jobs, plan.seconds, replanned)
+    samples = generated.metrics["completed"]
+    done = Done(samples, samples * PROMPT_TOKENS + generated.metrics["completion_tokens"])
+    predicted = stage_seconds(rates, samples, max_tokens, eval_prompts, args.batch)["generate"]
+    machine = scaled(rates, _speed(predicted, generated))
+    config = json.loads((resolve_target(args.target) / "config.json").read_text())
+    n_aux = len(extract.get("aux_layers") or default_aux_layers(config["num_hidden_layers"]))
+    cap_gb = args.store_gb or half_free_gb(args.workdir)
+    policy, why = features_policy(args.features_policy, features_gb(samples, max_tokens, config["hidden_size"], n_aux),
+                                  cap_gb)
+    print(f"features: {policy}: {why}")
+    streamed = policy != "cache"
+    left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("extract", "train", "evaluate"),
+                  overlap=streamed)
+    _replanned("generate", generated, samples, machine, rates, left, replanned)
+
+    # extraction, and training beside it (streamed) or after it
+    steps = train_steps(samples, max_tokens, MAX_EPOCHS, args.train_steps)
+    steps_fit = max(1, round(left["train"] * machine.train_tok_s / CPU_PRESET["batch_tokens"]))
+    train["val_interval"] = val_interval(min(steps, steps_fit))
+    hand_off_features(extract, train, policy, cap_gb)
+    extract[get_input("extract")] = generated.artifacts["output"]
+    if streamed:
+        train["finish_by"] = time.time() + left["train"]
+        jobs += runner.run_job("extract", {**_job(extract), "then": [train]})
+    else:
+        jobs += runner.run_job("extract", _job(extract))
+        extracted = jobs[-1]
+        if extracted.state != "succeeded":
+            return _unfinished(jobs, plan.seconds, replanned)
+        predicted = replan(1e9, rates, done, eval_prompts, args.batch, ("extract",))["extract"]
+        machine = scaled(rates, _speed(predicted, extracted))
+        left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("train", "evaluate"))
+        _replanned("extract", extracted, samples, machine, rates, left, replanned)
+        train["finish_by"] = time.time() + left["train"]
+        train[get_input("train")] = extracted.artifacts["output"]
+        jobs += runner.run_job("train", _job(train))
+    trained = jobs[-1]
+    if trained.stage != "train" or trained.state != "succeeded":
+        return _unfinished(jobs, plan.seconds, replanned)
+
+    # evaluation: what is left
+    replanned["evaluate"] = end - time.time()
+    evaluate["finish_by"] = end
+    evaluate[get_input("evaluate")] = trained.artifacts["output"]
+    print(f"re-plan after train: evaluate {replanned['evaluate']:.0f} s (at least {evaluate['min_prompts']} prompts)")
+    jobs += runner.run_job("evaluate", _job(evaluate))
     print()
-    # each job is created when the one before it succeeds (a streamed train job: when extraction starts), and last
-    # updated when it ends
-    for job in jobs:
-        took = job.updated_at - job.created_at
-        planned = plan.seconds.get(job.stage)
-        print(f"  {job.stage:<9} {job.state:<10} {took:6.0f} s (planned {planned:.0f} s)  "
-              f"{job.artifacts.get('output', '')}")
+    _summary(jobs, plan.seconds, replanned)
     report = jobs[-1]
     if report.stage != "evaluate" or report.state != "succeeded":
         print("pipeline did not finish; see the job records above")
         return 1
     print(f"\nacceptance length τ = {report.metrics.get('acceptance_length')}  "
-          f"(K = {report.metrics.get('k')}, in {time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
+          f"(K = {report.metrics.get('k')}, {report.metrics.get('prompts')} MT-bench prompts; in "
+          f"{time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
     for name, uri in sorted(report.artifacts.items()):
         print(f"  {name}: {uri}")
-    trained = next(j for j in jobs if j.stage == "train")
     print("drafter exports (vLLM/SGLang: eagle; speculators):")
     for name, uri in sorted(trained.artifacts.items()):
         if name != "output":
@@ -186,3 +236,50 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if report.metrics.get("serving_decision"):
         print(f"\n{report.metrics['serving_decision']}")
     return 0
+
+
+def _job(entry: dict) -> dict:
+    """A `then` entry ({"stage": name, ...fields}) as a job's own spec."""
+    return {k: v for k, v in entry.items() if k != "stage"}
+
+
+def get_input(stage: str) -> str:
+    """The spec field a stage reads its input artifact from."""
+    from orchestration.registry import get_stage
+
+    return get_stage(stage).input_field
+
+
+def _speed(predicted_s: float, job) -> float:
+    from orchestration.budget import speed
+
+    return speed(predicted_s, job.updated_at - job.created_at)
+
+
+def _replanned(stage: str, job, samples: int, machine, probed, left: dict[str, float],
+               replanned: dict[str, float]) -> None:
+    """Print the re-plan made after `stage` ended, and keep its seconds for the summary."""
+    from orchestration.budget import describe_seconds
+
+    replanned.update(left)
+    ratio = machine.forward_tok_s / probed.forward_tok_s
+    print(f"re-plan after {stage} ({job.updated_at - job.created_at:.0f} s, {samples} conversations; the machine ran "
+          f"{ratio:.2f}x the probe's rates): {describe_seconds(left)}", flush=True)
+
+
+def _summary(jobs: list, planned: dict[str, float], replanned: dict[str, float]) -> None:
+    """Each job's state and seconds beside the plan's and the last re-plan's (each job is created when the one
+    before it ends, a streamed train job when extraction starts, and last updated when it ends)."""
+    print(f"  {'stage':<9} {'state':<10} {'planned':>8} {'re-planned':>11} {'took':>7}")
+    for job in jobs:
+        again = replanned.get(job.stage)
+        print(f"  {job.stage:<9} {job.state:<10} {planned.get(job.stage, 0):7.0f}s "
+              f"{'—' if again is None else f'{again:.0f}s':>11} {job.updated_at - job.created_at:6.0f}s  "
+              f"{job.artifacts.get('output', '')}")
+
+
+def _unfinished(jobs: list, planned: dict[str, float], replanned: dict[str, float]) -> int:
+    print()
+    _summary(jobs, planned, replanned)
+    print("pipeline did not finish; see the job records above")
+    return 1

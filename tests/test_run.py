@@ -21,8 +21,11 @@ def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(r"^measured: decode \d+ tok/s", out, re.M) and re.search(r"^plan for 10 min: \d+ prompts", out, re.M)
-    for stage in ("generate", "extract", "train", "evaluate"):  # with the time it took beside the plan's
-        assert re.search(rf"^  {stage}\s+succeeded\s+\d+ s \(planned \d+ s\)\s+file://", out, re.M), out
+    # the rest re-planned at every stage boundary from how fast the stages went
+    for stage in ("generate", "extract"):
+        assert re.search(rf"^re-plan after {stage} \(\d+ s, 4 conversations; .*\): .*train \d+ s", out, re.M), out
+    for stage in ("generate", "extract", "train", "evaluate"):  # the times planned, re-planned and taken
+        assert re.search(rf"^  {stage}\s+succeeded\s+\d+s\s+(\d+s|—)\s+\d+s\s+file://", out, re.M), out
     tau = float(re.search(r"acceptance length τ = ([0-9.]+)", out)[1])
     assert tau >= 1.0
     paths = {name: Path(unquote(urlparse(uri).path)) for name, uri in re.findall(r"^  (\w+): (file://\S+)$", out, re.M)}

@@ -31,6 +31,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from eyas.batching import collate, eval_plan
+from eyas.deadline import Deadline, Pace
 from eyas.device import Placement, placement
 from eyas.drafter import Drafter
 from eyas.exports import EAGLE_DIR, EXPORT_DIRS, HISTORY, load_drafter
@@ -43,7 +44,7 @@ from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
 from eyas.ttt import ttt_forward
-from services.evaluator import costmodel, launch, serving
+from services.evaluator import costmodel, launch, serving, steptime
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
@@ -102,17 +103,56 @@ class Replayed:
     per_k: dict[int, dict]
 
 
+DEADLINE_BATCH = 16  # prompts per greedy batch under a deadline (the unit it stops at)
+
+
+@dataclass(frozen=True)
+class Cutoff:
+    """Score prompts while the next batch, and `after_prompts` prompts' worth and `after_s` seconds of the steps
+    after it, fit before `deadline`; never fewer than `floor` prompts."""
+    deadline: Deadline
+    floor: int
+    after_prompts: int = 0
+    after_s: float = 0.0
+
+    def another(self, done: int, batch: int, prompt_s: float) -> bool:
+        return done < self.floor or self.deadline.fits((batch + self.after_prompts) * prompt_s + self.after_s)
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in the order 0, n/2, n/4, 3n/4, … (each index's place in the range, bit-reversed): every prefix is
+    spread over the range, so prompts spread over a file's categories stay spread whatever prefix a deadline
+    leaves."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(f"{(i << bits) // n:0{bits}b}"[::-1], 2))
+
+
 def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds], max_new_tokens: int,
-              k: int, check: Check) -> Replayed:
+              k: int, check: Check, cutoff: Cutoff | None = None) -> Replayed:
     """The target's plain greedy outputs, per prompt the run lengths of K_max-chains over them (one teacher-forced
     pass each; services.evaluator.chains), and their replay for every K ≤ K_max (K_max covers `k`). `check()` runs
-    between decoding steps and between prompts."""
-    outputs = greedy(target, [p.ids for p in prompts], max_new_tokens, stop_ids(target), check=check)
+    between decoding steps and between prompts. With a `cutoff`, the prompts go in batches of DEADLINE_BATCH, in
+    the order of spread_order, while the cutoff lets another batch in."""
+    batch = len(prompts) if cutoff is None else DEADLINE_BATCH
+    if cutoff is not None:
+        prompts = [prompts[i] for i in spread_order(len(prompts))]
     k_max = max(serving.K_MAX, k)
+    outputs: list[list[int]] = []
     runs = []
-    for p, out in zip(prompts, outputs, strict=True):
-        check()
-        runs.append(run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max))
+    pace = Pace()
+    pace.mark()
+    for i in range(0, len(prompts), max(1, batch)):
+        chunk = prompts[i:i + batch]
+        if cutoff is not None and pace.known and not cutoff.another(i, len(chunk), pace.seconds()):
+            log.info("scored %d of %d prompts before the deadline", i, len(prompts))
+            prompts = prompts[:i]
+            break
+        outs = greedy(target, [p.ids for p in chunk], max_new_tokens, stop_ids(target), check=check)
+        for p, out in zip(chunk, outs, strict=True):
+            check()
+            runs.append(run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max))
+        outputs += outs
+        pace.mark(len(chunk))
     return Replayed(prompts, outputs, runs, replay(runs, k_max))
 
 
@@ -246,7 +286,13 @@ def _acceptance(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafte
     """Step 3: the target's greedy output on the prompts, replayed as K-chains for every K ≤ K_max."""
     prompts = eval_prompts(subject.target.tokenizer, spec.prompts, spec.num_prompts,
                            subject.facts.chat_template_kwargs, ctx.settings)
-    return _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k, ctx.check)
+    cutoff = None
+    if spec.finish_by is not None:  # after it: the decoded prompts (a replay and a decoding each), the second set
+        after = 2 * (spec.decode_prompts or 0) + (spec.second_num_prompts if spec.second_prompts else 0)
+        cutoff = Cutoff(Deadline(spec.finish_by), spec.min_prompts, after, steptime.STEP_TIMES_S)
+    replayed = _replayed(subject.target, drafter, subject.layout, prompts, spec.max_new_tokens, spec.k, ctx.check,
+                         cutoff)
+    return replayed
 
 
 def _decoding(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, replayed: Replayed) -> dict:
@@ -372,7 +418,7 @@ def _report(spec: Spec, subject: Subject, wiring: dict, accuracy: Accuracy, repl
 
 def _metrics(report: Report) -> dict:
     """The job's metrics: the report's headline numbers."""
-    metrics = {"acceptance_length": report.acceptance_length, "k": report.k,
+    metrics = {"acceptance_length": report.acceptance_length, "k": report.k, "prompts": report.acceptance.prompts,
                "per_position_acceptance": report.per_position_acceptance,
                "per_position_accuracy": report.per_position_accuracy,
                "matches_greedy": report.in_process.matches_greedy,

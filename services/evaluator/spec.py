@@ -32,6 +32,11 @@ class Spec(StageSpec):
     second_num_prompts: int = Field(5, ge=1, le=10_000, description="N prompts of second_prompts, "
                                     "spread evenly, distinct first turns")
     max_new_tokens: int = Field(128, ge=1, le=4096)
+    finish_by: float | None = Field(None, ge=0, description="a deadline, Unix seconds: prompts are scored, in an "
+                                    "order whose every prefix is spread over the file, while another batch and the "
+                                    "steps after it fit before it (at least min_prompts); the report says how many")
+    min_prompts: int = Field(16, ge=1, le=10_000, description="the fewest prompts scored under a deadline (τ's "
+                             "standard error over prompts shrinks as 1/√n)")
     decode_prompts: int | None = Field(
         None, ge=1, le=10_000, description="prompts also decoded speculatively in-process, token by token (the "
         "check that the replayed τ is what real decoding counts); τ itself comes from every prompt's replay; "

@@ -32,6 +32,7 @@ from services.evaluator.live import _headers, served_model
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
 STEPS = 16  # tokens each request decodes per measured point
+STEP_TIMES_S = 25.0  # what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it)
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> list[tuple[float, int]]:

@@ -67,7 +67,7 @@ async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict
     try:
         gen = Generator(spec, engine, throttle, journal, ctx)
         await gen.run(prompts, work, already, coordinator)
-        return gen.stats
+        return {**gen.stats, "stopped_at_deadline": int(gen.stopped_at_deadline)}
     finally:
         await throttle.aclose()
 
@@ -137,9 +137,11 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     dead = journal.load_dead()
     failures = [dead[p.id] for p in prompts if p.id in dead and p.id not in results]
     records = [results[p.id] for p in prompts if p.id in results]  # prompt order, each id once
-    lost = len(prompts) - len(records) - len(failures)
-    if lost:  # cannot happen while the journal and the shared work keep their promises; never commit a gap
-        raise RuntimeError(f"{lost} prompts were neither generated nor dead-lettered")
+    # prompts nobody started before the deadline (none without one: the journal and the shared work keep their
+    # promises, and a gap is never committed)
+    unreached = len(prompts) - len(records) - len(failures)
+    if unreached and not stats["stopped_at_deadline"]:
+        raise RuntimeError(f"{unreached} prompts were neither generated nor dead-lettered")
     writer = ArtifactWriter(ctx.output)
     writer.put_bytes(PROMPTS_FILE, ctx.output.get_bytes(PROMPTS_FILE))  # same bytes; now hashed in the manifest
     with tempfile.TemporaryDirectory(prefix="eyas-gen-") as tmp:
@@ -160,12 +162,13 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
                "retried": stats["retried"] + shared.get("retried", 0),
                "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
                "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "resumed": len(resumed),
-               "helped": pending - stats["completed"] - stats["failed"]}  # prompts other workers generated
+               "unreached": unreached,
+               "helped": pending - stats["completed"] - stats["failed"] - unreached}  # prompts other workers generated
     ctx.progress(len(records) + len(failures), len(prompts), "prompts", force=True)
     writer.commit(Manifest(
         kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
         inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
-        counts={"prompts": len(prompts), "conversations": len(records), "failed": len(failures),
+        counts={"prompts": len(prompts), "conversations": len(records), "failed": len(failures), "unreached": unreached,
                 "completion_tokens": completion_tokens, **source_counts},
         dataset=DatasetFacts(target=spec.target, tokenizer_hash=tok_hash, endpoint=spec.endpoint,
                              chat_template_kwargs=spec.sampling.chat_template_kwargs), metrics=metrics,

@@ -2,6 +2,7 @@
 dropped and counted."""
 from __future__ import annotations
 
+from eyas.deadline import Deadline
 from eyas.neardup import NearDupIndex
 from eyas.prompts import Prompt, load_prompt_source
 from eyas.settings import Settings
@@ -40,7 +41,8 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
                                                          turns=spec.synth_turns,
                                                          answer_sampling=spec.sampling,
                                                          openers=task_openers() if spec.synth_openers is None
-                                                         else spec.synth_openers)
+                                                         else spec.synth_openers,
+                                                         deadline=Deadline(spec.synthesize_by or spec.finish_by))
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]
         else:

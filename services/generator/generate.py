@@ -8,6 +8,7 @@ import time
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
 
 from eyas.coordination import Work
+from eyas.deadline import Deadline, Pace
 from eyas.prompts import Prompt
 from eyas.stage import Cancelled, StageContext
 from services.generator.engine import Completion, Engine, EngineError
@@ -25,6 +26,16 @@ class Generator:
         self.stats = {"completed": 0, "failed": 0, "retried": 0, "completion_tokens": 0}
         self._backoff = backoff(spec.retry_wait_s)
         self._t0 = time.monotonic()
+        self.deadline = Deadline(spec.finish_by)
+        self.pace = Pace(window=64)  # seconds per conversation, start to end (in-process: its batch's time)
+        self.stopped_at_deadline = False
+
+    def _past_deadline(self) -> bool:
+        """Whether a prompt started now would end after the job's deadline (as long as recent ones took): then this
+        process takes no more."""
+        if self.deadline and not self.deadline.fits(self.pace.seconds()):
+            self.stopped_at_deadline = True
+        return self.stopped_at_deadline
 
     async def _turn(self, prompt_id: str, messages: list[dict]) -> Completion:
         attempts = 0
@@ -85,6 +96,9 @@ class Generator:
 
         async def worker():
             while True:
+                if self._past_deadline():
+                    self.journal.flush()
+                    return
                 prompt_id = work.claim()
                 if prompt_id is None:
                     self.journal.flush()  # commit (and so release) what this process holds before waiting
@@ -93,8 +107,10 @@ class Generator:
                     await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
                     self._report(work, total, already)
                     continue
+                started = time.monotonic()
                 try:
                     rec = await self.converse(prompts[prompt_id])
+                    self.pace.add(time.monotonic() - started)
                 except DeadLetter as e:
                     self.journal.add_dead(e.record)
                     self.stats["failed"] += 1

@@ -90,6 +90,11 @@ class Spec(StageSpec):
     checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part (resume granularity)")
     max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
                              "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
+    finish_by: float | None = Field(None, ge=0, description="a deadline, Unix seconds: no prompt is started that "
+                                    "would not finish by then (as long as the last ones took), and the job ends "
+                                    "with the conversations it has (the rest counted as `unreached`)")
+    synthesize_by: float | None = Field(None, ge=0, description="a deadline for synthesis, Unix seconds: no round "
+                                        "of candidates is drawn that would not end by then (default: finish_by)")
 
     @model_validator(mode="after")
     def _has_source(self):

@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 
+from eyas.deadline import Deadline, Pace
 from eyas.neardup import NearDupIndex
 from eyas.prompts import Prompt
 from eyas.render import render_prompt_text
@@ -54,9 +55,11 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
                              sampling: SamplingParams | None = None, chunk: int = 8,
                              max_candidates: int | None = None, system: str | None = None, turns: int = 1,
                              answer_sampling: SamplingParams | None = None,
-                             openers: list[str] = ()) -> tuple[list[Prompt], dict[str, int]]:
+                             openers: list[str] = (), deadline: Deadline = Deadline(None),
+                             ) -> tuple[list[Prompt], dict[str, int]]:
     """Sample candidates, at most `chunk` at a time, until `n` distinct acceptable requests are kept (or
-    `max_candidates`, default 4n + 8, were drawn); then up to `turns - 1` follow-ups for each. Candidate i's
+    `max_candidates`, default 4n + 8, were drawn, or the next round would end after `deadline`: the first round
+    is always drawn); then up to `turns - 1` follow-ups for each. Candidate i's
     request starts with openers[i % len(openers)] (none: free sampling; services.generator.task_mix). Returns the
     prompts and the counts of what was drawn, dropped and why."""
     sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
@@ -67,8 +70,14 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
     kept: list[Prompt] = []
     counts = {"sampled": 0, "kept": 0, "no_end_of_turn": 0, "too_short": 0, "too_long": 0, "language": 0,
               "near_duplicate": 0, "held_out": 0}
+    pace = Pace(deadline.clock)
+    pace.mark()
     for rnd in itertools.count():
         if len(kept) >= n or counts["sampled"] >= max_candidates:
+            break
+        if pace.known and not deadline.fits(pace.seconds()):
+            log.info("synthesis: stopped at its deadline with %d of %d prompts kept", len(kept), n)
+            counts["stopped_at_deadline"] = 1
             break
         # size the last chunks by the acceptance seen so far: a batch costs its rows, so draw little beyond need
         accepted = len(kept) / counts["sampled"] if counts["sampled"] else 1.0
@@ -78,6 +87,7 @@ async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, h
         log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, len(kept), n)
         starts = [openers[(counts["sampled"] + i) % len(openers)] if openers else "" for i in range(size)]
         outs = await engine.complete_many([prefix + o for o in starts], params)
+        pace.mark()
         counts["sampled"] += size
         for i, (start, c) in enumerate(zip(starts, outs, strict=True)):
             text = (start + c.content).strip()

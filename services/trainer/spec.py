@@ -46,6 +46,9 @@ class Spec(StageSpec):
     steps: int | None = Field(None, ge=1, le=100_000_000,
                               description="optimizer steps; default: `epochs` over the train split")
     epochs: float = Field(1.0, gt=0, le=1000)
+    finish_by: float | None = Field(None, ge=0, description="a deadline, Unix seconds: the steps (of `steps` or "
+                                    "`epochs`, at most) that fit before it, the learning-rate schedule sized to them "
+                                    "and re-sized as the step time drifts; then the last validation and the exports")
     norm_before_fc: bool = Field(False, description="EAGLE 3.1: one RMSNorm over the concatenated aux states before fc "
                                  "(vLLM and speculators load it; SGLang does not)")
     fc_norm: bool = Field(False, description="EAGLE 3.1: one RMSNorm per aux layer before fc (not with norm_before_fc)")

@@ -28,6 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from eyas.batching import collate, eval_plan
+from eyas.deadline import Deadline, Pace
 from eyas.device import placement
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
@@ -56,7 +57,8 @@ WEIGHT_DECAY = 0.0
 LOSS_DECAY = 0.8  # weight 0.8^k of TTT step k (EAGLE, SpecForge)
 PROGRESS_TAG = "EYAS-TRAIN-PROGRESS "  # a rank-0 stdout line a parent process turns into job progress
 # Spec fields a resumed run may change; every other field must equal the checkpoint's.
-RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier")
+RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier",
+                     "finish_by")
 
 Report = Callable[[int, int, dict[str, Any]], None]  # (step, total steps, metrics)
 
@@ -67,6 +69,27 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# A deadline's schedule changes only when the steps that fit move by more than this share of it: a learning rate that
+# follows every step time's jitter would wobble for nothing.
+RESIZE_SHARE = 0.02
+
+
+def steps_that_fit(step: int, most: int, left_s: float, step_s: float, reserve_s: float) -> int:
+    """The total steps of a run at `step` with `left_s` seconds to its deadline, a step taking `step_s` and the end
+    (last validation, checkpoint, exports) `reserve_s`: at most `most`, never fewer than the steps done (at least
+    one)."""
+    more = math.floor((left_s - reserve_s) / step_s) if step_s > 0 else most
+    return max(step, 1, min(most, step + max(0, more)))
+
+
+def resized_total(total: int, fitted: int, step: int) -> int:
+    """The schedule's total after a re-fit: `fitted` when it moved past RESIZE_SHARE of `total`, or when the run must
+    stop now; else `total` unchanged."""
+    if fitted <= step or abs(fitted - total) > max(1, RESIZE_SHARE * total):
+        return fitted
+    return total
 
 
 class TTTObjective(nn.Module):
@@ -192,6 +215,17 @@ def _autocast(spec: Spec, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16")
 
 
+def _deadline_total(total: int, most: int, step: int, deadline: Deadline, step_s: float, val_s: float) -> int:
+    """The schedule's total at `step` against the deadline (rank 0's, so that every rank stops at the same step)."""
+    rank, _ = _rank_world()
+    fitted = resized_total(total, steps_that_fit(step, most, deadline.left(), step_s, val_s + 2 * step_s), step)
+    fitted = int(_all_sum(torch.tensor([fitted if rank == 0 else 0], dtype=torch.int64))[0])
+    if fitted != total:
+        log.info("deadline in %.0f s at %.2f s a step: %d steps in all (was %d)", deadline.left(), step_s, fitted,
+                 total)
+    return fitted
+
+
 @torch.no_grad()
 def validate(spec: Spec, setup: TrainingSetup, tops: TargetTopCache, device) -> dict[str, Any]:
     rank, world = _rank_world()
@@ -243,18 +277,24 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
             "feature_windows": len(data.stream.windows(spec.seed, 0))}
 
     tops_train, tops_val = TargetTopCache(data.sample, head), TargetTopCache(data.val.__getitem__, head)
+    val_s = 0.0  # seconds of the last validation pass (a deadline keeps time for the one at the end)
     if step == 0 and data.val:  # where training starts from, for the record
+        v0 = time.perf_counter()
         history["val"].append({"step": 0, **validate(spec, setup, tops_val, device)})
+        val_s = time.perf_counter() - v0
     model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     windows = data.windows(spec.seed)
     stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, position, windows)
     total, K, start = setup.total_steps, spec.ttt_steps, step
+    most = total  # the spec's steps: a deadline only shortens the run
+    deadline, pace = Deadline(spec.finish_by), Pace()  # seconds per step (its validations included)
     window = None
     if releases and rank == 0 and step < total:  # windows a run before this one finished (it may have crashed
         data.stream.release_before(spec.seed, *stream.upcoming())  # between its checkpoint and the deletion)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=True if rank else None)
+    pace.mark()
     while step < total:
         t0 = time.perf_counter()
         if releases and window is not None and stream.upcoming() != window:
@@ -294,7 +334,16 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
                  "epoch": stream.window[0], "samples": [data.train[p] for p in global_batch]}
         history["train"].append(entry)
         if data.val and (spec.val_interval and step % spec.val_interval == 0 or step == total):
+            v0 = time.perf_counter()
             history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
+            val_s = time.perf_counter() - v0
+        if deadline and step < total:
+            pace.mark()
+            if pace.known:
+                total = _deadline_total(total, most, step, deadline, pace.seconds(), val_s)
+                if step == total and data.val and history["val"][-1]["step"] != step:  # stopped: the last validation
+                    history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
+            info["total_steps"] = bar.total = total
         if rank == 0 and (step % spec.checkpoint_every == 0 or step == total):
             save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
         bar.update(1)

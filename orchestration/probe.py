@@ -1,0 +1,99 @@
+"""The first seconds of `eyas run --minutes N`: what each stage's time is made of on this machine, with the target
+the run trains for (orchestration/budget.py plans from these rates, and re-plans as the stages measure their own):
+  decode    new tokens/s of in-process generation at the run's batch and at half of it (prompt synthesis and
+            the answers run in balanced batches of between the two)
+  forward   target forward tokens/s over whole conversations (extraction)
+  train     drafter TTT training tokens/s at the CPU preset (a few steps on random states of the target's widths,
+            in a batch shaped like the run's)
+  validate  the same batch's tokens/s forward only (the trainer's validation passes)
+  step      seconds of one single-sequence target step with a KV cache (the evaluator's in-process speculative
+            decoding goes token by token)
+A busy machine reads low here: the plan is only the stages' first shares, and each stage works to a deadline.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+from eyas.layout import default_aux_layers
+from orchestration.budget import ANSWER_FILL, ANSWER_TOKENS, PROMPT_TOKENS, Rates
+from services.trainer.spec import CPU_PRESET
+
+
+def measure_rates(target_name: str, batch: int) -> Rates:
+    """The four rates on this machine, in a few seconds, with the stages' own code paths where they have one."""
+    import torch
+
+    from eyas.batching import Batch
+    from eyas.drafter import Drafter, DrafterConfig
+    from eyas.ttt import label_rows, target_top, ttt_forward
+    from services.generator.engine import InProcessEngine
+    from services.generator.spec import SamplingParams
+
+    engine = InProcessEngine(target_name, max_batch=batch)
+    model = engine.target.model
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    # a few words, no chat template: the probe times decoding steps, not the prompts' prefill
+    texts = [f"A fact about the number {i}:" for i in range(batch)]
+    engine.generate_texts(texts[:2], params.model_copy(update={"max_tokens": 2}))  # warm-up
+    decode = []
+    for rows in (batch, max(1, batch // 2)):
+        t0 = time.perf_counter()
+        done = engine.generate_texts(texts[:rows], params)
+        decode.append(sum(c.completion_tokens for c in done) / (time.perf_counter() - t0))
+
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (4, 256))
+    with torch.inference_mode():
+        model(input_ids=ids[:1, :16])  # warm-up
+        t0 = time.perf_counter()
+        model(input_ids=ids, output_hidden_states=True)
+        forward = ids.numel() / (time.perf_counter() - t0)
+        out = model(input_ids=ids[:1, :64], use_cache=True)
+        t1 = time.perf_counter()
+        for i in range(8):
+            out = model(input_ids=ids[:1, 64 + i:65 + i], past_key_values=out.past_key_values, use_cache=True)
+        step = (time.perf_counter() - t1) / 8
+
+    torch.manual_seed(0)
+    vocab, ttt = CPU_PRESET["draft_vocab_size"], CPU_PRESET["ttt_steps"]
+    n_aux = len(default_aux_layers(cfg.num_hidden_layers))
+    drafter = Drafter(DrafterConfig.from_target(cfg, vocab, num_aux=n_aux))
+    drafter.set_vocab(torch.arange(vocab))
+    head = model.get_output_embeddings().weight.detach()
+    h = cfg.hidden_size
+    # a batch shaped like the run's: rows of a prompt and its answer up to the preset's batch tokens, loss on the
+    # answers only (the lm_head runs on those)
+    prompt, n = PROMPT_TOKENS, PROMPT_TOKENS + round(ANSWER_FILL * ANSWER_TOKENS)
+    rows = CPU_PRESET["batch_tokens"] // n
+    mask = torch.zeros(rows, n, dtype=torch.int64)
+    mask[:, prompt:] = 1
+    fake = Batch(input_ids=ids.reshape(-1)[:rows * n].view(rows, n), loss_mask=mask,
+                 lengths=torch.full((rows,), n), aux_hidden=torch.randn(rows, n, n_aux * h),
+                 final_hidden=torch.randn(rows, n, h))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    times = []
+    for _ in range(3):  # the first one warms up
+        t0 = time.perf_counter()
+        res = ttt_forward(drafter, fake, head, ttt)
+        res.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    train = rows * n / min(times[1:])
+    # validation: forward only, with the target's argmax cached as the trainer caches it after the first pass
+    fake = replace(fake, target_top=target_top(fake.final_hidden, head, label_rows(mask)))
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ttt_forward(drafter, fake, head, ttt)
+            times.append(time.perf_counter() - t0)
+    return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward, train_tok_s=train,
+                 val_tok_s=rows * n / min(times[1:]), step_s=step)
+
+
+def rates_line(rates: Rates) -> str:
+    r = asdict(rates)
+    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), forward {r['forward_tok_s']:.0f} tok/s, "
+            f"train {r['train_tok_s']:.0f} tok/s (validate {r['val_tok_s']:.0f}), target step {1000 * r['step_s']:.0f} ms")
