@@ -130,3 +130,19 @@ def test_one_dockerfile_builds_the_cpu_and_the_cuda_image(compose):
         else:
             assert probe[1] == "curl" and any(op == "RUN" and "install" in arg and " curl " in arg
                                               for op, arg in dockerfile), name
+
+
+def test_capture_engines_are_extract_workers_on_vllm_each_pinned_to_its_own_gpu(compose):
+    services = compose["services"]
+    capture = {name: svc for name, svc in services.items() if name.startswith("capture-")}
+    assert len(capture) == 8
+    pinned = []
+    for svc in capture.values():
+        assert svc["command"][:3] == ["worker", "--stage", "extract"] and svc["profiles"] == ["capture"]
+        assert svc["environment"]["EYAS_EXTRACT_ENGINE"] == "vllm" and svc["environment"]["EYAS_MODE"] == "service"
+        assert svc["build"]["args"]["VLLM"]  # the image carries the engine's environment
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device and "gpu" in device["capabilities"]
+        pinned += device["device_ids"]
+        assert "node.labels.eyas.gpu == true" in svc["deploy"]["placement"]["constraints"]
+    assert sorted(pinned) == [str(i) for i in range(8)]  # one GPU each, none shared
