@@ -54,6 +54,10 @@ TRAIN_SHARE = 1 - 1 / TrainSpec.model_fields["val_every"].default  # of the samp
 # the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
 # 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
 VAL_PASSES = 10
+# The most of the budget evaluation's first share may take. Its cost is a count of prompts, whatever the data: a
+# probe that read a busy machine (4x slow) would otherwise give it half of a 10-minute budget, and generation, where
+# τ is bought, a third. Quiet, it takes about 0.17; under a deadline the evaluator scores what its share allows.
+EVAL_SHARE = 0.2
 # cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
 # trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
 FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
@@ -216,16 +220,28 @@ class Done:
     tokens: float
 
 
+def first_shares(seconds: dict[str, float]) -> dict[str, float]:
+    """Each stage's share of the budget from a plan's predicted seconds, evaluation's at most EVAL_SHARE (the rest
+    in the plan's proportions)."""
+    total = sum(seconds.values())
+    shares = {stage: s / total for stage, s in seconds.items()}
+    if shares["evaluate"] > EVAL_SHARE:
+        rest = 1 - shares["evaluate"]
+        shares = {stage: EVAL_SHARE if stage == "evaluate" else s * (1 - EVAL_SHARE) / rest
+                  for stage, s in shares.items()}
+    return shares
+
+
 def replan(left_s: float, rates: Rates, done: Done, eval_prompts: int, batch: int, stages: tuple[str, ...],
-           overlap: bool = False) -> dict[str, float]:
+           overlap: bool = False, eval_cap_s: float = math.inf) -> dict[str, float]:
     """Seconds for each of `stages` (those still to run, of extract, train, evaluate) out of the `left_s` seconds
-    left: extraction and evaluation as the (re-scaled) rates predict them for the data there is, training the rest
-    (at least a tenth of what is left). `overlap`: extraction runs beside training (a streamed policy), so it takes
-    no time of its own."""
+    left: extraction and evaluation as the (re-scaled) rates predict them for the data there is (evaluation at most
+    `eval_cap_s`), training the rest (at least a tenth of what is left). `overlap`: extraction runs beside training
+    (a streamed policy), so it takes no time of its own."""
     fixed = FIXED_S / 4
     predicted = {
         "extract": 0.0 if overlap else fixed + done.tokens / rates.forward_tok_s,
-        "evaluate": stage_seconds(rates, 0, ANSWER_TOKENS, eval_prompts, batch)["evaluate"],
+        "evaluate": min(eval_cap_s, stage_seconds(rates, 0, ANSWER_TOKENS, eval_prompts, batch)["evaluate"]),
     }
     out = {s: predicted[s] for s in stages if s in predicted}
     if "train" in stages:

@@ -113,12 +113,14 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from orchestration.budget import (
         ANSWER_TOKENS,
         DECODE_PROMPTS,
+        EVAL_SHARE,
         MAX_EPOCHS,
         PROMPT_TOKENS,
         Done,
         batches,
         features_gb,
         features_policy,
+        first_shares,
         plan_run,
         replan,
         scaled,
@@ -163,7 +165,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     jobs = []
 
     # generation: its share of what is left, synthesis first (its share of that), then the answers
-    share = plan.seconds["generate"] * (end - time.time()) / sum(plan.seconds.values())
+    eval_cap = EVAL_SHARE * (end - time.time())
+    share = first_shares(plan.seconds)["generate"] * (end - time.time())
     now = time.time()
     spec["finish_by"] = now + share
     if not args.prompts:
@@ -184,7 +187,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(f"features: {policy}: {why}")
     streamed = policy != "cache"
     left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("extract", "train", "evaluate"),
-                  overlap=streamed)
+                  overlap=streamed, eval_cap_s=eval_cap)
     _replanned("generate", generated, samples, machine, rates, left, replanned)
 
     # extraction, and training beside it (streamed) or after it
@@ -203,7 +206,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
             return _unfinished(jobs, plan.seconds, replanned)
         predicted = replan(1e9, rates, done, eval_prompts, args.batch, ("extract",))["extract"]
         machine = scaled(rates, _speed(predicted, extracted))
-        left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("train", "evaluate"))
+        left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("train", "evaluate"),
+                      eval_cap_s=eval_cap)
         _replanned("extract", extracted, samples, machine, rates, left, replanned)
         train["finish_by"] = time.time() + left["train"]
         train[get_input("train")] = extracted.artifacts["output"]

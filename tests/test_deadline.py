@@ -177,3 +177,13 @@ def test_evaluation_scores_a_spread_batch_at_least_and_says_how_many(runner, fea
     assert job.metrics["prompts"] == 16  # one batch: the floor is inside it, the deadline stops the next
     report = json.loads(job_output(runner.store, job).get_bytes("report.json"))
     assert len(report["acceptance"]["per_category"]) == 8  # a prefix spread over MT-bench's categories
+
+
+def test_a_probe_that_read_a_busy_machine_does_not_give_evaluation_the_budget():
+    from orchestration.budget import EVAL_SHARE, first_shares, plan_run
+
+    quiet = first_shares(plan_run(10, QUIET, 96).seconds)
+    busy = first_shares(plan_run(10, scaled(QUIET, 0.25), 96).seconds)
+    assert quiet["evaluate"] <= EVAL_SHARE and sum(quiet.values()) == pytest.approx(1.0)
+    assert busy["evaluate"] == pytest.approx(EVAL_SHARE) and sum(busy.values()) == pytest.approx(1.0)
+    assert busy["generate"] > 0.8 * quiet["generate"]  # generation, where τ is bought, keeps most of its share

@@ -18,6 +18,10 @@ from services.generator.spec import Spec
 from services.generator.throttle import Throttle
 
 
+class Unstarted(Exception):
+    """A prompt whose first request was not sent: the job's deadline came while it waited for a slot."""
+
+
 class Generator:
     """Regenerates a prompt set through an engine: throttled (AIMD within a global maximum), retried, journaled."""
 
@@ -37,7 +41,9 @@ class Generator:
             self.stopped_at_deadline = True
         return self.stopped_at_deadline
 
-    async def _turn(self, prompt_id: str, messages: list[dict]) -> Completion:
+    async def _turn(self, prompt_id: str, messages: list[dict], first: bool = False) -> Completion:
+        """One assistant turn, retried; the conversation's `first` turn is not sent once past the deadline (a prompt
+        claimed early may wait for a slot while the batch before it runs)."""
         attempts = 0
         try:
             async for attempt in AsyncRetrying(stop=stop_after_attempt(self.spec.max_attempts), wait=self._backoff,
@@ -47,6 +53,8 @@ class Generator:
                     if attempts > 1:
                         self.stats["retried"] += 1
                     async with self.throttle.slot(first=attempts > 1) as sent:
+                        if first and attempts == 1 and self._past_deadline():
+                            raise Unstarted(prompt_id)
                         try:
                             c = await self.engine.chat(messages, self.spec.sampling)
                         except EngineError as e:
@@ -65,7 +73,8 @@ class Generator:
         turns = []
         for user in prompt.user_turns[: self.spec.max_turns]:
             messages.append({"role": "user", "content": user})
-            c = await self._turn(prompt.id, [{"role": m["role"], "content": m["content"]} for m in messages])
+            c = await self._turn(prompt.id, [{"role": m["role"], "content": m["content"]} for m in messages],
+                                 first=not turns)
             reply = {"role": "assistant", "content": c.content}
             if c.reasoning_content:
                 reply["reasoning_content"] = c.reasoning_content
@@ -111,6 +120,9 @@ class Generator:
                 try:
                     rec = await self.converse(prompts[prompt_id])
                     self.pace.add(time.monotonic() - started)
+                except Unstarted:  # past the deadline: the prompt stays unreached, and this task takes no more
+                    self.journal.flush()
+                    return
                 except DeadLetter as e:
                     self.journal.add_dead(e.record)
                     self.stats["failed"] += 1

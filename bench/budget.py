@@ -1,0 +1,140 @@
+"""Does `eyas run --minutes N` keep its budget on a busy machine? Each run is a whole `eyas run`, on a quiet machine
+or beside a CPU hog (busy processes, one per core, for part of the run); each drafter is then scored on all 80
+MT-bench prompts by replay (an evaluate job without a deadline, after the run, outside its budget), so that runs whose evaluation
+scored different prompts compare on the same ones.
+
+    .venv/bin/python bench/budget.py --minutes 10 --repeats 3          # quiet, hog-start, hog-middle × 3
+    .venv/bin/python bench/budget.py --minutes 10 --variants quiet --repeats 1
+
+Variants: quiet; hog-start (busy for the run's first 60 s: the probe reads the machine low); hog-middle (busy from
+minute 3 to 6 of a 10-minute run, scaled with --minutes). Prints one row per run (wall time against the budget,
+prompts generated, training steps, prompts the run's evaluation scored, τ as the run measured it and on all 80),
+then the checks the issue states: every run ends within the budget + 5 % and uses at least 90 % of it, and each
+hogged variant's median τ (80 prompts) is within 0.03 of the quiet runs' median.
+
+Run it on an otherwise quiet machine: the hog is the only load it should see.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+# variant → (start, end) of the hog in fractions of the budget (None: quiet); hog-start is the first 60 s
+HOGS = {"quiet": None, "hog-start": "first-60s", "hog-middle": (0.3, 0.6)}
+
+
+def hog_window(variant: str, budget_s: float) -> tuple[float, float] | None:
+    spec = HOGS[variant]
+    if spec is None:
+        return None
+    if spec == "first-60s":
+        return 0.0, 60.0
+    return spec[0] * budget_s, spec[1] * budget_s
+
+
+def hog(window: tuple[float, float], t0: float, stop: threading.Event) -> None:
+    """Busy processes, one per core, from t0 + window[0] to t0 + window[1] (or until `stop`)."""
+    start, end = window
+    if stop.wait(max(0.0, t0 + start - time.monotonic())):
+        return
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        stop.wait(max(0.0, t0 + end - time.monotonic()))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def one_run(variant: str, repeat: int, minutes: float, workdir: Path) -> dict:
+    out_dir = workdir / f"{variant}-{repeat}"
+    cmd = [sys.executable, "-m", "orchestration.cli", "run", "--minutes", str(minutes), "--workdir", str(out_dir)]
+    stop = threading.Event()
+    t0 = time.monotonic()
+    window = hog_window(variant, 60 * minutes)
+    hogger = threading.Thread(target=hog, args=(window, t0, stop), daemon=True) if window else None
+    if hogger:
+        hogger.start()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    stop.set()
+    if hogger:
+        hogger.join()
+    (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr[-20000:])
+    row = {"variant": variant, "repeat": repeat, "wall_s": wall, "budget_s": 60 * minutes}
+    if proc.returncode != 0:
+        return {**row, "error": proc.stdout[-800:] + proc.stderr[-800:]}
+    out = proc.stdout
+    row["plan"] = re.search(r"^plan for .*$", out, re.M)[0]
+    row["replans"] = re.findall(r"^re-plan after .*$", out, re.M)
+    row["tau_run"] = float(re.search(r"acceptance length τ = ([0-9.]+)", out)[1])
+    row["eval_prompts"] = int(re.search(r"K = \d+, (\d+) MT-bench prompts", out)[1])
+    drafter = re.search(r"^  train\s+succeeded.*?(file://\S+)$", out, re.M)[1]
+    dataset = re.search(r"^  generate\s+succeeded.*?(file://\S+)$", out, re.M)[1]
+    row["prompts"] = json.loads(Path(unquote(urlparse(dataset).path), "manifest.json").read_text())["counts"][
+        "conversations"]
+    row["steps"] = json.loads(Path(unquote(urlparse(drafter).path), "manifest.json").read_text())["counts"]["steps"]
+    row["tau_80"] = score_80(drafter, out_dir)
+    return row
+
+
+def score_80(drafter: str, workdir: Path) -> float:
+    """τ on all 80 MT-bench prompts by replay (no deadline, one prompt of the second set, one decoded for real)."""
+    cmd = [sys.executable, "-m", "orchestration.cli", "evaluate", "--drafter", drafter, "--num-prompts", "80",
+           "--second-num-prompts", "1", "--decode-prompts", "1", "--workdir", str(workdir)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    report = re.search(r"^evaluate: succeeded → (\S+)$", proc.stdout, re.M)
+    if report is None:
+        raise RuntimeError(f"the evaluation did not succeed: {proc.stdout[-500:]} {proc.stderr[-500:]}")
+    return json.loads(Path(unquote(urlparse(report[1]).path), "report.json").read_text())["acceptance_length"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", choices=list(HOGS), default=list(HOGS))
+    ap.add_argument("--workdir", type=Path, default=ROOT / "eyas-work" / "bench-budget")
+    args = ap.parse_args()
+    rows = []
+    print("| variant | run | wall (s) | of budget | prompts | train steps | eval prompts | τ (run) | τ (80, replay) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for repeat in range(args.repeats):
+        for variant in args.variants:
+            row = one_run(variant, repeat, args.minutes, args.workdir)
+            rows.append(row)
+            if "error" in row:
+                print(f"| {variant} | {repeat} | {row['wall_s']:.0f} | failed: {row['error'][-200:]!r} |||||")
+                continue
+            print(f"| {variant} | {repeat} | {row['wall_s']:.0f} | {row['wall_s'] / row['budget_s']:.1%} | "
+                  f"{row['prompts']} | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
+                  f"{row['tau_80']:.3f} |", flush=True)
+    (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
+    ok = [r for r in rows if "error" not in r]
+    within = all(r["wall_s"] <= 1.05 * r["budget_s"] for r in ok)
+    used = all(r["wall_s"] >= 0.90 * r["budget_s"] for r in ok)
+    print(f"\nevery run within the budget + 5 %: {within}; every run used ≥ 90 % of it: {used}; "
+          f"failed runs: {len(rows) - len(ok)}")
+    quiet = [r["tau_80"] for r in ok if r["variant"] == "quiet"]
+    if quiet:
+        median = statistics.median(quiet)
+        for variant in args.variants:
+            taus = [r["tau_80"] for r in ok if r["variant"] == variant]
+            if variant != "quiet" and taus:
+                gap = statistics.median(taus) - median
+                print(f"{variant}: median τ (80) {statistics.median(taus):.3f} vs quiet {median:.3f}: "
+                      f"{gap:+.3f} ({'within' if abs(gap) <= 0.03 else 'NOT within'} 0.03)")
+
+
+if __name__ == "__main__":
+    main()
