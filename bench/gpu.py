@@ -3,9 +3,12 @@ Eyas's own extraction, training and speculative-decoding code on one device.
 
     python bench/gpu.py            # Llama-3.1-8B shapes on this process's GPU (EYAS_DEVICE); minutes on one H200
     python bench/gpu.py --tiny     # the same steps with tiny shapes: seconds on a CPU (tests/test_bench_gpu.py)
+    python bench/gpu.py --vllm-python PATH   # vLLM's interpreter for the vllm_extract figure (default:
+                                             # EYAS_VLLM_PYTHON, else the checkout's .venv-vllm, where it exists)
 
 It needs the project importable (`pip install -e .`, or PYTHONPATH=. from the repository root) and nothing else:
-no tokenizer, no weights, no network.
+no tokenizer, no weights, no network. With a vLLM environment the random target's weights are saved to a temporary
+directory (16 GB at full shapes) for vLLM to load.
 
 The line (stdout; progress goes to stderr):
   extract   tokens/s of the extractor's capture path (aux-layer hooks, states gathered and copied to the host
@@ -14,13 +17,20 @@ The line (stdout; progress goes to stderr):
   train     drafter training tokens/s (TTT, bf16 autocast, AdamW) and model FLOPs utilisation (bench/mfu.py)
   specdec   in-process speculative decoding (K drafts per target forward, the trained drafter) vs plain greedy on a
             few prompts: equal, or where not, recorded near ties (eyas evaluator's rule) and mismatches
-  peak_memory_gib   the device's peak allocated memory (the process's peak RSS on a CPU)
+  vllm_extract   the extract stage's vLLM engine (bench/vllm_capture.py --model, in vLLM's environment, once this
+            process has let go of the device): tokens/s of its capture (extract_hidden_states + Eyas's connector)
+            and of vLLM's plain prefill on extract's batches, their ratio, the capture's against extract's
+            capture_tok_s (capture_vs_transformers), engine start times; {"skipped": why} without a vLLM
+            environment, {"error": …} (vLLM's log on stderr) where it failed
+  peak_memory_gib   the device's peak allocated memory (the process's peak RSS on a CPU), this process only
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +71,8 @@ TINY = {**LLAMA_31_8B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size
 # (where bf16 matmuls are slow)
 SIZES = {"full": (4, 2048, 8, 40, 7, 32000, 3, 64, 48), "tiny": (2, 64, 3, 4, 3, 256, 2, 16, 8)}
 K, WARMUP_STEPS = 3, 2
+BATCH_SEED = 0  # extraction's random token batches (bench/vllm_capture.py --model draws the same)
+BENCH = Path(__file__).resolve().parent
 
 
 def log(*parts) -> None:
@@ -173,6 +185,21 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
             "draft_vocab": cfg.draft_vocab_size, "last_loss": float(r.loss.detach())}, drafter
 
 
+def vllm_extraction(python: Path, directory: Path, batches: list[torch.Tensor], dtype: str, extract: dict) -> dict:
+    """vLLM capture vs vLLM plain prefill of the target saved in `directory`, on the same batches, in a process of
+    vLLM's environment (bench/vllm_capture.py --model: each path in a fresh one)."""
+    rows, length = batches[0].shape
+    cmd = [str(python), str(BENCH / "vllm_capture.py"), "--model", str(directory), "--rows", str(rows), "--length",
+           str(length), "--batches", str(len(batches)), "--seed", str(BATCH_SEED), "--dtype", dtype, "--json"]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH.parent)  # its log: on stderr
+    if out.returncode != 0:
+        return {"error": f"bench/vllm_capture.py exited with {out.returncode} (its log is on stderr)"}
+    result = json.loads(out.stdout.splitlines()[-1])
+    if result.pop("ids_sum") != sum(int(ids.sum()) for ids in batches):
+        return {"error": "bench/vllm_capture.py drew other batches than extract's"}
+    return {**result, "capture_vs_transformers": result["capture_tok_s"] / extract["capture_tok_s"]}
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -185,9 +212,15 @@ def peak_memory_gib(device: torch.device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU run in seconds)")
+    ap.add_argument("--vllm-python", type=Path, help="vLLM's interpreter (default: EYAS_VLLM_PYTHON, else the "
+                    "checkout's .venv-vllm, where it exists)")
     args = ap.parse_args()
+    if args.vllm_python is not None and not args.vllm_python.exists():
+        ap.error(f"--vllm-python {args.vllm_python}: no such interpreter")
     t_start = time.perf_counter()
-    place = placement(get_settings(), "bfloat16")
+    settings = get_settings()
+    python = args.vllm_python or settings.vllm_python
+    place = placement(settings, "bfloat16")
     shapes = TINY if args.tiny else LLAMA_31_8B
     rows, length, n_batches, steps, ttt_steps, draft_vocab, n_prompts, prompt_len, new_tokens = SIZES[
         "tiny" if args.tiny else "full"]
@@ -198,7 +231,7 @@ def main() -> None:
         layout = Layout(target=target.name, target_config_hash=target.config_hash, tokenizer_hash="none",
                         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                         vocab_size=config.vocab_size, aux_layers=default_aux_layers(config.num_hidden_layers))
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(BATCH_SEED)
         batches = [torch.randint(3, config.vocab_size, (rows, length), generator=gen) for _ in range(n_batches)]
         log("extraction: capture vs plain forward")
         extract, samples = extraction(target, layout, batches)
@@ -209,14 +242,23 @@ def main() -> None:
         prompts = [PromptIds(f"random-{i}", [rng.randrange(3, config.vocab_size) for _ in range(prompt_len)])
                    for i in range(n_prompts)]
         decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, K, new_tokens)
+        params, peak = sum(p.numel() for p in target.model.parameters()), peak_memory_gib(place.device)
+        vllm_extract: dict = {"skipped": f"no vLLM environment here (EYAS_VLLM_PYTHON={settings.vllm_python})"}
+        if python is not None and python.exists():
+            log(f"vLLM capture vs vLLM plain prefill ({python})")
+            target.model.save_pretrained(tmp)
+            del target, drafter  # the device is vLLM's now
+            gc.collect()
+            if place.device.type == "cuda":
+                torch.cuda.empty_cache()
+            vllm_extract = vllm_extraction(python, Path(tmp), batches, place.dtype_name, extract)
     specdec = {key: decoded[key] for key in ("k", "prompts", "max_new_tokens", "matches_greedy", "greedy_mismatches",
                                              "near_ties", "acceptance_length", "drafts")}
     device_name = torch.cuda.get_device_name(place.device) if place.device.type == "cuda" else "cpu"
     print(json.dumps({
         "device": device_name, "shapes": "tiny" if args.tiny else "llama-3.1-8b", "dtype": place.dtype_name,
-        "target_params": sum(p.numel() for p in target.model.parameters()),
-        "extract": extract, "train": train, "specdec": specdec,
-        "peak_memory_gib": peak_memory_gib(place.device), "seconds": time.perf_counter() - t_start,
+        "target_params": params, "extract": extract, "train": train, "specdec": specdec, "vllm_extract": vllm_extract,
+        "peak_memory_gib": peak, "seconds": time.perf_counter() - t_start,
     }), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""bench/gpu.py, the GPU check, runs its whole course on a CPU with tiny shapes and prints its one JSON line."""
+"""bench/gpu.py, the GPU check, runs its whole course on a CPU with tiny shapes and prints its one JSON line (its
+vLLM capture figure too where a vLLM environment is installed)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from eyas.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,3 +29,11 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes():
     assert specdec["drafts"] > 0 and specdec["greedy_mismatches"] == []
     assert specdec["matches_greedy"] == (specdec["near_ties"] == [])
     assert result["peak_memory_gib"] > 0
+    vllm = result["vllm_extract"]
+    python = Settings().vllm_python  # what bench/gpu.py reads (default: the checkout's .venv-vllm)
+    if python is None or not python.exists():
+        assert "skipped" in vllm
+        return
+    assert "error" not in vllm and "skipped" not in vllm, vllm
+    assert vllm["tokens"] == extract["tokens"] and vllm["device"] == "cpu" and vllm["dtype"] == "bfloat16", vllm
+    assert vllm["capture_tok_s"] > 0 and vllm["plain_tok_s"] > 0 and vllm["ratio"] > 0

@@ -1,8 +1,9 @@
 """The extract stage's vLLM engine (services.extractor.vllm_backend) against its transformers path, on the bundled
 target: the same artifact (sample ids, tokens, loss masks, offsets exactly; features within bf16 rounding), the
-engine recorded in the manifest, one engine process for the jobs after the first, a features stream fed by it, and
-`engine: vllm` without a vLLM environment refused by name. tests/test_families.py runs the same agreement on every
-family, and serves a drafter trained on vLLM-captured features."""
+engine recorded in the manifest, one engine process for the jobs after the first, a features stream fed by it,
+tensor parallel capture (two CPU ranks) agreeing too, and `engine: vllm` without a vLLM environment refused by name.
+tests/test_families.py runs the same agreement on every family, and serves a drafter trained on vLLM-captured
+features."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +15,11 @@ from eyas.features import FeatureReader
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
+from eyas.target import load_tokenizer, tokenizer_hash
 from orchestration.embedded import EmbeddedRunner
 from services.extractor import vllm_backend
 from tests.datasets import CONVERSATIONS, write_dataset
+from tests.families import FAMILIES, build_target
 
 pytestmark = pytest.mark.vllm
 
@@ -53,12 +56,14 @@ def assert_same_features(ours: str, reference: str, hidden: int) -> float:
     return worst
 
 
+# one long conversation beside the short ones: a prompt the engine prefills in several chunks
+LONG = ("Tell me everything about rivers.", " ".join(["Rivers carry water and stones to the sea."] * 60))
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vllm-capture")
-    # one long conversation beside the short ones: a prompt the engine prefills in several chunks
-    long = ("Tell me everything about rivers.", " ".join(["Rivers carry water and stones to the sea."] * 60))
-    write_dataset(root / "data", [*CONVERSATIONS, long])
+    write_dataset(root / "data", [*CONVERSATIONS, LONG])
     return root
 
 
@@ -96,6 +101,25 @@ def test_a_features_stream_from_the_vllm_engine(data):
         [j.error for j in jobs]
     features = read_manifest(open_artifact(jobs[0].artifacts["output"]), kind="features")
     assert features.extra["compute"]["engine"] == "vllm" and features.extra["policy"]["features"] == "first_epoch"
+
+
+def test_tensor_parallel_capture_writes_the_transformers_artifact(data):
+    """tensor_parallel_size 2 on the CPU (two vLLM worker processes, a core each): every rank captures, rank 0's
+    states are taken; on the Llama-3 family target (4 query and 2 key/value heads: a half on each rank), the same
+    artifact as transformers' hooks within bf16 rounding, aux and final states alike."""
+    target = str(build_target(FAMILIES["llama3"], data / "llama3"))
+    spec = {"target": target, "data": write_dataset(data / "llama3-data", [*CONVERSATIONS, LONG],
+                                                    tok_hash=tokenizer_hash(load_tokenizer(target)))}
+    reference, _ = extract(data, "transformers", "tp-hf", **spec)
+    try:
+        ours, extra = extract(data, "vllm", "tp2", **spec, tensor_parallel_size=2)
+        assert extra["compute"]["tensor_parallel_size"] == 2
+    finally:  # its two worker processes go now, not at the session's end
+        if vllm_backend._engine is not None:
+            vllm_backend._engine.close()
+            vllm_backend._engine = None
+    worst = assert_same_features(ours, reference, hidden=FAMILIES["llama3"].config["hidden_size"])
+    print(f"largest per-token relative difference: {worst:.1e}")
 
 
 def test_engine_vllm_without_a_vllm_environment_fails_naming_it(data):

@@ -50,8 +50,9 @@ class Spec(StageSpec):
         "tensor parallel over the node's GPUs) or transformers (forward hooks, torchrun processes); auto: the "
         "deployment's choice (EYAS_EXTRACT_ENGINE), else vllm where its environment is installed and it serves "
         "the target's architecture, else transformers. The features manifest records which ran")
-    tensor_parallel_size: int | None = Field(None, ge=1, le=64, description="vllm: GPUs the engine spreads the target "
-                                             "over; default: every visible GPU (1 on the CPU)")
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64, description="vllm: ranks the engine spreads the target "
+                                             "over (GPUs; on a CPU, shares of its cores); default: every visible GPU "
+                                             "(1 on the CPU)")
     processes: int | None = Field(None, ge=1, le=64, description="transformers: extractor processes under "
                                   "torchrun, one per GPU; default: one per visible GPU when the target fits one, "
                                   "else 1")

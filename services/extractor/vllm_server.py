@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # before vLLM is imported: the engine runs in this process, so the connector's captured states are a call away
+# (tensor parallel ranks run in vLLM's worker processes: LLM.collective_rpc reaches them)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 # the CPU backend: its KV cache in GiB (else it reserves most of the machine's memory); a prompt's blocks are freed
 # as soon as its one token is out
@@ -53,14 +54,43 @@ def vllm_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     return [i + 1 for i in aux_layers] + [num_layers]
 
 
+def has_tokenizer(target: str) -> bool:
+    """Whether the target's directory holds a tokenizer. The engine needs none (token ids in, states out), but
+    vLLM logs a traceback at start without one (its chat-template warm-up), so one is loaded where it exists."""
+    return any((Path(target) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                           "tokenizer.model"))
+
+
+def bind_cpu_ranks(tensor_parallel_size: int) -> None:
+    """vLLM-CPU binds each tensor-parallel rank's OpenMP threads to a NUMA node of its own
+    (VLLM_CPU_OMP_THREADS_BIND=auto) and refuses more ranks than nodes ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers"): with fewer nodes, each rank gets an equal share of this process's cores
+    instead ("0|1" on two cores). A binding set in the environment is kept; GPUs are left alone."""
+    from vllm.platforms import current_platform
+
+    if tensor_parallel_size < 2 or not current_platform.is_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) >= tensor_parallel_size:
+        return
+    cpus, n = sorted(os.sched_getaffinity(0)), tensor_parallel_size
+    shares = [cpus[r * len(cpus) // n: (r + 1) * len(cpus) // n] for r in range(n)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in shares) if all(shares) \
+        else "nobind"  # fewer cores than ranks: the ranks share them
+
+
 class VllmCapture:
     """eyas' Capture (services.extractor.shards) on a vLLM engine: a forward batch's samples as one generate call of
-    one token each, their states taken from the connector."""
+    one token each, their states taken from the connector. Token ids in, states out: a target without a tokenizer
+    (bench/gpu.py's random one) is captured too. Tensor parallel ranks run in vLLM's worker processes (its mp
+    executor); every rank captures, rank 0's states are taken."""
 
     def __init__(self, target: str, aux_layers: list[int], num_layers: int, dtype: str, tensor_parallel_size: int,
                  max_model_len: int):
         from vllm import LLM
 
+        bind_cpu_ranks(tensor_parallel_size)
         ids = vllm_layer_ids(aux_layers, num_layers)
         order = sorted(set(ids))  # the connector's layer axis: vLLM sorts the ids
         self.aux_cols = [order.index(i) for i in ids[:-1]]
@@ -68,7 +98,7 @@ class VllmCapture:
         self.keys = itertools.count()
         self.llm = LLM(
             model=target, dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-            enforce_eager=True, enable_prefix_caching=False, seed=0,
+            enforce_eager=True, enable_prefix_caching=False, seed=0, skip_tokenizer_init=not has_tokenizer(target),
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}},
             kv_transfer_config={"kv_connector": "EyasCaptureConnector", "kv_connector_module_path": CONNECTOR_MODULE,
