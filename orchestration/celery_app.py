@@ -25,7 +25,7 @@ from celery import Celery
 from kombu import Queue
 
 from eyas.settings import Settings
-from orchestration.registry import STAGE_ORDER
+from orchestration.registry import STAGE_ORDER, STAGES
 
 TASK = "eyas.run_job"  # run_job(job_id), routed to the job's stage queue
 ASSIST_TASK = "eyas.assist_job"  # assist_job(job_id, attempt, index, ids): a chunk of a running job's work
@@ -37,7 +37,7 @@ BROKER_VISIBILITY_S = 12 * 3600
 def make_celery(settings: Settings) -> Celery:
     app = Celery("eyas", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
-        task_queues=[Queue(stage, routing_key=stage) for stage in STAGE_ORDER],
+        task_queues=[Queue(stage, routing_key=stage) for stage in STAGES],
         task_default_queue=STAGE_ORDER[0],
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -63,7 +63,7 @@ def celery_dispatch(app: Celery):
     """The service mode's dispatcher: schedule `execute(job_id)` on the stage's queue."""
 
     def dispatch(stage: str, job_id: str) -> None:
-        if stage not in STAGE_ORDER:
+        if stage not in STAGES:
             raise KeyError(f"no queue for stage {stage!r}")
         app.send_task(TASK, args=[job_id], queue=stage, routing_key=stage)
 

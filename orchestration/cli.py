@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-STAGE_COMMANDS = {"generate": "generate", "extract": "extract", "train": "train", "evaluate": "evaluate"}
+STAGE_COMMANDS = {"generate": "generate", "extract": "extract", "train": "train", "evaluate": "evaluate",
+                  "diagnose": "diagnose"}
 
 
 def _flag(name: str) -> str:

@@ -45,7 +45,7 @@ from orchestration.jobs import (
     update,
 )
 from orchestration.quotas import OverQuota, check_quotas, wall_time_error
-from orchestration.registry import ARTIFACT_DIRS, STAGE_ORDER, get_stage, step_model
+from orchestration.registry import ARTIFACT_DIRS, get_stage, stages_after, step_model
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,7 @@ def validate_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
     prev = stage_name
     for i, step in enumerate(parsed.then):
         name = step if isinstance(step, str) else step.get("stage")
-        after = STAGE_ORDER.index(prev) + 1
-        expected = STAGE_ORDER[after] if after < len(STAGE_ORDER) else "none"
+        expected = next(iter(stages_after(prev)), "none")
         if name != expected:
             raise SpecError(f"then[{i}]" if isinstance(step, str) else f"then[{i}].stage", name,
                             f"after {prev!r} the next stage must be {expected}")

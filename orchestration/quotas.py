@@ -21,6 +21,8 @@ FIELD_CAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "extract": (("stream.epochs", "max_job_epochs"),),
     "train": (("epochs", "max_job_epochs"), ("steps", "max_job_steps")),
     "evaluate": (("num_prompts", "max_job_prompts"), ("max_new_tokens", "max_job_tokens")),
+    "diagnose": (("num_prompts", "max_job_prompts"), ("traffic_prompts", "max_job_prompts"),
+                 ("max_new_tokens", "max_job_tokens")),
 }
 
 

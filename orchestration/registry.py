@@ -16,15 +16,23 @@ from pydantic.json_schema import SkipJsonSchema
 from eyas.coordination import Work
 from eyas.stage import StageContext, StageResult, StageSpec
 
-STAGE_ORDER = ("generate", "extract", "train", "evaluate")
+STAGE_ORDER = ("generate", "extract", "train", "evaluate")  # the pipeline, in the order `then` chains it
+STAGES = (*STAGE_ORDER, "diagnose")  # every stage with a queue, an API and a command (diagnose: outside the pipeline)
 # stage → module with Spec, INPUT_FIELD and run(spec, ctx) (and optionally assist and ARTIFACT_MODELS)
 _MODULES = {
     "generate": "services.generator.core",
     "extract": "services.extractor.core",
     "train": "services.trainer.core",
     "evaluate": "services.evaluator.core",
+    "diagnose": "services.evaluator.diagnose",
 }
-ARTIFACT_DIRS = {"generate": "datasets", "extract": "features", "train": "drafters", "evaluate": "reports"}
+ARTIFACT_DIRS = {"generate": "datasets", "extract": "features", "train": "drafters", "evaluate": "reports",
+                 "diagnose": "diagnoses"}
+
+
+def stages_after(stage: str) -> tuple[str, ...]:
+    """The pipeline stages a job of `stage` may chain in `then`, in order (none after evaluate or diagnose)."""
+    return STAGE_ORDER[STAGE_ORDER.index(stage) + 1:] if stage in STAGE_ORDER else ()
 
 
 @dataclass

@@ -24,7 +24,7 @@ from orchestration.celery_app import ASSIST_TASK, TASK, make_celery
 from orchestration.execution import assist, execute
 from orchestration.jobs import IllegalTransition, JobNotFound
 from orchestration.lease import job_lease
-from orchestration.registry import STAGE_ORDER, get_stage
+from orchestration.registry import STAGES, get_stage
 from orchestration.runtime import Runtime, service_runtime
 from orchestration.workshare import ORDERED, ChunkWork, ordered_chunks
 
@@ -107,8 +107,8 @@ def _sweep_forever(stage: str) -> None:
 
 def run_worker(stage: str, concurrency: int = 1) -> None:
     """Consume `stage`'s queue with `concurrency` pool processes until stopped (SIGTERM: finish, then exit)."""
-    if stage not in STAGE_ORDER:
-        raise ValueError(f"stage={stage!r}: stages are {list(STAGE_ORDER)}")
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: stages are {list(STAGES)}")
     get_stage(stage)  # import the stage (torch, transformers) once, before the pool processes fork
 
     @worker_ready.connect(weak=False)

