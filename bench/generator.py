@@ -12,14 +12,22 @@ trips' worth at the server's full batch.
 
     .venv/bin/python bench/generator.py --concurrency 64 200 1000
     .venv/bin/python bench/generator.py --workers 1 2 4 --concurrency 200
+    .venv/bin/python bench/generator.py --fast  # client CPU: requests/s against an endpoint answering in 20 ms
+
+`--fast` measures what one process costs per request rather than how it fills a batch: every answer is one token at
+`--answer-ms` (20 ms, whatever the batch), 1,200 prompts at concurrency 32; requests/s of `eyas generate` beside the
+bare client, and the eyas process's CPU time per request.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import multiprocessing
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +46,7 @@ from tests.fault_proxy import FaultProxy  # noqa: E402
 from tests.servers import free_port, redis_server  # noqa: E402
 
 RETRY_WAIT_S = 0.05  # eyas's first retry waits 0.5 s by default: scaled down with the generations
+BARE_POOL = 16  # connections per httpx client of the bare client
 FAULTS = {"delay": 0.04, "429": 0.04, "500": 0.04, "503": 0.04, "reset": 0.04, "truncate": 0.04}  # 24 % of requests
 
 
@@ -71,11 +80,18 @@ def _measure(server: str) -> dict:
 
 
 async def bare(url: str, n: int, concurrency: int, max_tokens: int, timeout_s: float) -> int:
-    """The plain alternative: a semaphore, one httpx client, and a retry loop (without one, faults lose prompts)."""
+    """The plain alternative: a semaphore, httpx clients of BARE_POOL connections taken in turn (httpx's pool
+    does work per connection on every request: one pool of 32 manages a third of the requests per second), and a
+    retry loop (without one, faults lose prompts)."""
     sem = asyncio.Semaphore(concurrency)
     retries = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+    clients = [httpx.AsyncClient(limits=limits, timeout=timeout_s) for _ in range(-(-concurrency // BARE_POOL))]
+    turn = itertools.cycle(clients)
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(client)
+
         async def one(i: int) -> None:
             nonlocal retries
             body = {"model": "target", "messages": [{"role": "user", "content": f"Question {i}?"}],
@@ -83,7 +99,7 @@ async def bare(url: str, n: int, concurrency: int, max_tokens: int, timeout_s: f
             async with sem:
                 while True:
                     try:
-                        r = await client.post(f"{url}/v1/chat/completions", json=body)
+                        r = await next(turn).post(f"{url}/v1/chat/completions", json=body)
                         if r.status_code == 200:
                             r.json()["choices"][0]["message"]["content"]
                             return
@@ -164,6 +180,44 @@ def compare(args, server: str, faulty: str, concurrency: int, tmp: Path) -> list
     return rows
 
 
+def _child_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def fast(args, server: str, tmp: Path) -> None:
+    """Requests/s of one `eyas generate` process and of the bare client against an endpoint that answers every
+    request in --answer-ms: the client's own cost per request, not the server's batch, sets the rate."""
+    n, c = args.prompts, args.concurrency[0]
+    prompts = _prompts(tmp / "prompts-fast.jsonl", range(n))
+    with tempfile.TemporaryDirectory(dir=tmp) as t:  # the process's fixed cost: imports, tokenizer, one request
+        cpu = _child_cpu_s()
+        eyas(server, [_prompts(tmp / "prompts-one.jsonl", range(1))], c, 1, args.timeout_s, Path(t))
+        fixed = _child_cpu_s() - cpu
+    rows = []
+    for _ in range(args.repeat):
+        plain = _run(server, lambda: {"retries": asyncio.run(bare(server, n, c, 1, args.timeout_s))})
+        with tempfile.TemporaryDirectory(dir=tmp) as t:
+            cpu = _child_cpu_s()
+            ours = _run(server, lambda t=t: eyas(server, [prompts], c, 1, args.timeout_s, Path(t)))
+            ours["cpu"] = _child_cpu_s() - cpu  # the whole process: start-up (imports, tokenizer) included
+        rows.append((plain, ours))
+        print(f"  bare {plain['answers'] / plain['wall']:.0f} req/s, eyas {ours['answers'] / ours['wall']:.0f} req/s "
+              f"({ours['lost']} lost, {ours['duplicated']} duplicated, {ours['dead']} dead); median batch: bare "
+              f"{plain['steady_batch']:.0f}, eyas {ours['steady_batch']:.0f}", flush=True)
+    print(f"\n{n} prompts at concurrency {c}, every answer in {args.answer_ms:g} ms; requests/s at the endpoint "
+          f"(first request to last answer)")
+    print(f"eyas CPU per request: the process's CPU time less that of a one-prompt run ({fixed:.1f} s: imports, "
+          f"tokenizer), over the other requests")
+    print("| run | bare (req/s) | eyas (req/s) | eyas / bare | eyas CPU per request (ms) | lost | duplicated | "
+          "dead-lettered |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, (plain, ours) in enumerate(rows):
+        b, e = plain["answers"] / plain["wall"], ours["answers"] / ours["wall"]
+        print(f"| {k + 1} | {b:.0f} | {e:.0f} | {e / b:.3f} | {1000 * (ours['cpu'] - fixed) / (ours['answers'] - 1):.2f} "
+              f"| {ours['lost']} | {ours['duplicated']} | {ours['dead']} |")
+
+
 def workers(args, server: str, concurrency: int, tmp: Path) -> None:
     n = args.rounds * min(concurrency, args.slots)
     with redis_server() as redis_url:
@@ -188,7 +242,7 @@ def workers(args, server: str, concurrency: int, tmp: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 200, 1000], help="the job's concurrency (C)")
+    ap.add_argument("--concurrency", type=int, nargs="+", help="the job's concurrency (C); 64 200 1000 by default")
     ap.add_argument("--workers", type=int, nargs="*", help="compare this many worker processes instead (e.g. 1 2 4)")
     ap.add_argument("--rounds", type=int, default=15, help="prompts: this many round trips at the full batch")
     ap.add_argument("--slots", type=int, default=256, help="the endpoint's batch slots (vLLM's max_num_seqs)")
@@ -196,12 +250,22 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=3.0, help="time per token at a full batch, relative to one")
     ap.add_argument("--max-tokens", type=int, default=1024, help="per request; lengths are log-normal below it")
     ap.add_argument("--timeout-s", type=float, default=20.0, help="request timeout, for both clients")
+    ap.add_argument("--fast", action="store_true", help="requests/s against an endpoint answering in --answer-ms "
+                    "(the client's CPU per request); --concurrency 32 and --prompts 1200 unless given")
+    ap.add_argument("--answer-ms", type=float, default=20.0, help="--fast: every answer's latency")
+    ap.add_argument("--prompts", type=int, default=1200, help="--fast: prompts per run")
+    ap.add_argument("--repeat", type=int, default=1, help="--fast: runs (bare, then eyas, each time)")
     ap.add_argument("--no-metrics", action="store_true", help="the endpoint publishes no queue: latency steers")
     args = ap.parse_args()
+    args.concurrency = args.concurrency or ([32] if args.fast else [64, 200, 1000])
 
     port = free_port()
-    fake = FakeLLM(slots=args.slots, token_s=args.token_ms / 1000, full_batch_slowdown=args.slowdown,
-                   metrics=not args.no_metrics)
+    if args.fast:  # one-token answers at a fixed time per token whatever the batch: every answer takes answer-ms
+        fake = FakeLLM(slots=args.slots, token_s=args.answer_ms / 1000, full_batch_slowdown=1.0,
+                       metrics=not args.no_metrics)
+    else:
+        fake = FakeLLM(slots=args.slots, token_s=args.token_ms / 1000, full_batch_slowdown=args.slowdown,
+                       metrics=not args.no_metrics)
     procs = [multiprocessing.Process(target=fake.serve_forever, args=(port,), daemon=True)]
     procs[0].start()
     server = f"http://127.0.0.1:{port}"
@@ -212,6 +276,9 @@ def main() -> None:
     faulty = ours.recv()
     try:
         with tempfile.TemporaryDirectory(prefix="eyas-bench-") as tmp:
+            if args.fast:
+                fast(args, server, Path(tmp))
+                return
             if args.workers:
                 for c in args.concurrency:
                     workers(args, server, c, Path(tmp))

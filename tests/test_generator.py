@@ -108,6 +108,44 @@ def test_mix_quotas_keep_weights():
     assert sum(q) == 100 and max(q) - min(q) <= 1
 
 
+def test_journal_writes_parts_off_the_event_loop_and_reports_only_what_is_durable(tmp_path):
+    """A full buffer is written by the journal's thread while samples go on finishing (they join the next part);
+    on_commit hears of a sample only once its part is stored; commit() and flush() leave nothing behind."""
+    import asyncio
+    import threading
+
+    from eyas.store import Artifact, LocalStore
+    from services.generator.journal import Journal
+
+    gate = threading.Event()
+    committed: list[str] = []
+    out = Artifact(LocalStore(tmp_path / "out"))
+
+    class SlowJournal(Journal):
+        def _put(self, body: bytes) -> None:
+            assert threading.current_thread() is not threading.main_thread() or gate.is_set()
+            gate.wait(10)  # the first part's write hangs until the test lets it go
+            super()._put(body)
+
+    journal = SlowJournal(out, flush_every=2, on_commit=committed.extend)
+
+    async def main():
+        for i in range(6):  # the first two go to a part whose write is held up; the next four wait in the buffer
+            journal.add({"id": f"p{i}"})
+            await asyncio.sleep(0)
+        assert committed == [] and len(journal.buffer) == 4 and Journal(out).load() == {}
+        gate.set()
+        await journal.commit()
+        assert sorted(committed) == [f"p{i}" for i in range(6)]
+        journal.add({"id": "p6"})
+
+    asyncio.run(main())
+    journal.flush()
+    assert sorted(committed) == [f"p{i}" for i in range(7)] and len(committed) == 7
+    assert sorted(Journal(out).load()) == [f"p{i}" for i in range(7)]
+    assert len([n for n in out.names() if n.startswith("parts/part-")]) == 3  # [p0 p1], [p2..p5], [p6]
+
+
 # ---------------------------------------------------------------- real vLLM behind the fault proxy
 
 def _generate(prompts: Path, out: Path, endpoint: str, **spec) -> dict:

@@ -18,7 +18,7 @@ from orchestration.shared_limit import SharedLimit
 from services.generator.engine import HttpEngine
 from services.generator.server_load import ServerLoad, parse_load
 from services.generator.spec import SamplingParams
-from services.generator.throttle import DECREASE, Throttle
+from services.generator.throttle import DECREASE, Throttle, initial_limit
 from tests.fake_llm import FakeLLM
 
 
@@ -78,6 +78,19 @@ def test_slow_start_reaches_the_maximum_in_log_round_trips():
     sizes = asyncio.run(main())
     assert sizes[:7] == [4, 8, 16, 32, 64, 128, 256]  # doubles every round trip: log2(256 / 4) + 1 round trips
     assert set(sizes[7:-1]) == {256}  # and stays at the maximum
+
+
+def test_slow_start_from_the_default_share_reaches_the_job_concurrency_in_two_round_trips():
+    assert [initial_limit(c) for c in (1, 3, 8, 16, 32, 1000)] == [1, 3, 4, 4, 8, 250]
+
+    async def main():
+        endpoint = RoundTrips()
+        await _drive([Throttle(LocalLimit(256, initial=initial_limit(256)), 256)], endpoint, 2000)
+        return endpoint.sizes
+
+    sizes = asyncio.run(main())
+    assert sizes[:3] == [64, 128, 256]  # latency flat: the maximum in the third round trip, after two
+    assert set(sizes[2:-1]) == {256}
 
 
 def test_workers_share_one_limit_and_slow_start_together(redis_url):

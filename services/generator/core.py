@@ -30,7 +30,7 @@ from services.generator.journal import Journal
 from services.generator.probe import check_endpoint
 from services.generator.server_load import ServerLoad
 from services.generator.spec import Spec
-from services.generator.throttle import Throttle
+from services.generator.throttle import Throttle, initial_limit
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "prompts"
@@ -53,7 +53,7 @@ def _make_throttle(spec: Spec, ctx: StageContext) -> Throttle:
     if spec.endpoint is None:  # in-process: the engine batches whatever is in flight
         return Throttle(LocalLimit(most, initial=most), most)
     # the endpoint's limit, grown and cut by every process the deployment shares it with, under the job's maximum
-    limit = ctx.limit(spec.endpoint, spec.concurrency, spec.initial_concurrency or 4)
+    limit = ctx.limit(spec.endpoint, spec.concurrency, spec.initial_concurrency or initial_limit(spec.concurrency))
     return Throttle(limit, most, latency_factor=spec.latency_factor, load=ServerLoad(spec.endpoint))
 
 

@@ -106,11 +106,11 @@ class Generator:
         async def worker():
             while True:
                 if self._past_deadline():
-                    self.journal.flush()
+                    await self.journal.commit()
                     return
                 prompt_id = work.claim()
                 if prompt_id is None:
-                    self.journal.flush()  # commit (and so release) what this process holds before waiting
+                    await self.journal.commit()  # commit (and so release) what this process holds before waiting
                     if not coordinator or work.open_count() == 0:
                         return
                     await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
@@ -121,7 +121,7 @@ class Generator:
                     rec = await self.converse(prompts[prompt_id])
                     self.pace.add(time.monotonic() - started)
                 except Unstarted:  # past the deadline: the prompt stays unreached, and this task takes no more
-                    self.journal.flush()
+                    await self.journal.commit()
                     return
                 except DeadLetter as e:
                     self.journal.add_dead(e.record)
