@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestration.registry import STAGE_ORDER
+from orchestration.registry import STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,8 @@ def _gpu(svc: dict) -> bool:
 def test_every_stage_has_an_api_and_a_worker_on_its_queue(compose):
     services = compose["services"]
     names = {"generate": "generator", "extract": "extractor", "train": "trainer", "evaluate": "evaluator"}
-    for stage in STAGE_ORDER:
+    names["diagnose"] = "diagnose"
+    for stage in STAGES:
         api, worker = services[f"{names[stage]}-api"], services[f"{names[stage]}-worker"]
         assert api["command"][:3] == ["api", "--stage", stage]
         assert worker["command"][:3] == ["worker", "--stage", stage]
@@ -48,7 +49,7 @@ def test_every_stage_has_an_api_and_a_worker_on_its_queue(compose):
 
 def test_gpu_workers_reserve_gpus_and_are_placed_on_gpu_nodes(compose):
     services = compose["services"]
-    for name in ("extractor-worker", "trainer-worker", "evaluator-worker", "vllm", "vllm-spec"):
+    for name in ("extractor-worker", "trainer-worker", "evaluator-worker", "diagnose-worker", "vllm", "vllm-spec"):
         assert _gpu(services[name]), name
         assert "node.labels.eyas.gpu == true" in services[name]["deploy"]["placement"]["constraints"]
     assert not _gpu(services["generator-worker"]) and not _gpu(services["generator-api"])
