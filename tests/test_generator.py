@@ -218,3 +218,32 @@ def test_workers_share_one_global_maximum(tmp_path, vllm_url, redis_url):
             assert p.wait(timeout=600) == 0, (tmp_path / f"w{i}.log").read_text()[-2000:]
     assert proxy.counts["forwarded"] == 54
     assert 2 <= proxy.max_in_flight <= 3, proxy.max_in_flight  # three workers, one shared maximum of 3
+
+
+def test_a_retry_after_a_timeout_waits_for_twice_the_slowest_answer_not_the_full_timeout():
+    from services.generator.generate import retry_timeout
+
+    assert retry_timeout(2.0, 0, 30.0) is None  # a first attempt: the full timeout
+    assert retry_timeout(0.0, 1, 30.0) is None  # no answer yet to size it from
+    assert [retry_timeout(2.0, n, 30.0) for n in (1, 2, 3)] == [4.0, 8.0, 16.0]
+    assert retry_timeout(2.0, 4, 30.0) is None  # 32 s would be past the full timeout
+
+
+def test_a_hung_request_costs_one_full_timeout_not_a_chain_of_them(tmp_path):
+    """A fifth of the requests hang until the client gives up (the proxy drops them after 30 s). The first attempt
+    of each waits the full 6-s timeout; its retries wait twice the slowest answer so far, so the job ends in about
+    one full timeout where a chain of them would take several."""
+    from tests.fake_llm import FakeLLM
+
+    prompts = _prompt_file(tmp_path, 40)
+    emb = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path]))
+    with FakeLLM(slots=8, token_s=0.002) as upstream, \
+            FaultProxy(upstream, {"delay": 0.2}, delay_s=30.0) as url:
+        t0 = time.monotonic()
+        [job] = emb.run_job("generate", {"prompts": str(prompts), "held_out": None, "endpoint": url,
+                                         "concurrency": 8, "sampling": {"max_tokens": 64},
+                                         "request_timeout_s": 6.0, "retry_wait_s": 0.05, "max_attempts": 8})
+        took = time.monotonic() - t0
+    assert job.state == "succeeded", job.error
+    assert job.metrics["completed"] == 40 and job.metrics["failed"] == 0 and job.metrics["retried"] >= 8
+    assert took < 2 * 6.0, took  # chains of hangs each cost one full timeout, then short ones

@@ -33,15 +33,18 @@ class Completion:
 
 
 class EngineError(RuntimeError):
-    """A request that failed; `status` is the HTTP status when there was one, `retry_after` the server's hint."""
+    """A request that failed; `status` is the HTTP status when there was one, `retry_after` the server's hint,
+    `timed_out` whether no answer came within the read timeout."""
 
-    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None):
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None,
+                 timed_out: bool = False):
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status, self.retry_after, self.timed_out = status, retry_after, timed_out
 
 
 class Engine(Protocol):
-    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion: ...
+    # timeout_s: this request's read timeout, where the engine has one (default: sized to the request)
+    async def chat(self, messages: list[dict], params: SamplingParams, timeout_s: float | None = None) -> Completion: ...
 
     async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
         """Raw-text completions (no chat template), stopping at the end-of-turn token; with a seed, request i
@@ -80,12 +83,18 @@ class HttpEngine:
                         for _ in range(-(-max_connections // POOL_CONNECTIONS))]
         self._turn = itertools.cycle(self.clients)
 
-    async def _post(self, path: str, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-        timeout = httpx.Timeout(self.timeout_s or request_timeout(max_tokens, self.min_tokens_per_s), connect=10.0)
+    def full_timeout(self, max_tokens: int) -> float:
+        """A request's read timeout: the job's, else sized to its max_tokens."""
+        return self.timeout_s or request_timeout(max_tokens, self.min_tokens_per_s)
+
+    async def _post(self, path: str, body: dict[str, Any], max_tokens: int,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+        timeout = httpx.Timeout(timeout_s or self.full_timeout(max_tokens), connect=10.0)
         try:
             resp = await next(self._turn).post(f"{self.url}{path}", json=body, timeout=timeout)
         except httpx.TimeoutException as e:
-            raise EngineError(f"timeout after {timeout.read:.0f} s: {type(e).__name__}") from e
+            raise EngineError(f"timeout after {timeout.read:.0f} s: {type(e).__name__}",
+                              timed_out=isinstance(e, httpx.ReadTimeout)) from e
         except httpx.TransportError as e:
             raise EngineError(f"connection error: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
@@ -99,7 +108,7 @@ class HttpEngine:
             raise EngineError(f"malformed response: {resp.text[:200]!r}") from e
         return data
 
-    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
+    async def chat(self, messages: list[dict], params: SamplingParams, timeout_s: float | None = None) -> Completion:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
                                 "temperature": params.temperature, "top_p": params.top_p}
         if params.seed is not None:
@@ -107,7 +116,7 @@ class HttpEngine:
         if params.chat_template_kwargs:
             body["chat_template_kwargs"] = params.chat_template_kwargs
         t0 = time.monotonic()
-        data = await self._post("/chat/completions", body, params.max_tokens)
+        data = await self._post("/chat/completions", body, params.max_tokens, timeout_s)
         choice = data["choices"][0]
         msg = choice["message"]
         usage = data.get("usage") or {}
@@ -164,7 +173,8 @@ class InProcessEngine:
         self._runner: asyncio.Task | None = None
         self._lock = threading.Lock()  # one generate at a time; the model is not re-entrant
 
-    async def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
+    async def chat(self, messages: list[dict], params: SamplingParams, timeout_s: float | None = None) -> Completion:
+        del timeout_s  # the batch in flight runs to its end (a cancel stops it at its next step)
         loop = asyncio.get_running_loop()
         if self._runner is None:
             self._wakeup = asyncio.Event()

@@ -11,11 +11,26 @@ from eyas.coordination import Work
 from eyas.deadline import Deadline, Pace
 from eyas.prompts import Prompt
 from eyas.stage import Cancelled, StageContext
-from services.generator.engine import Completion, Engine, EngineError
+from services.generator.engine import Completion, Engine, EngineError, request_timeout
 from services.generator.journal import Journal
 from services.generator.retry import DeadLetter, backoff, retryable
 from services.generator.spec import Spec
 from services.generator.throttle import Throttle
+
+# A retry after a timeout waits this many times the slowest answer the job has had (doubled for each further
+# timeout of the same request), never more than the full timeout: a request that hung past the full timeout is
+# more likely lost at the server than slow, and a chain of full timeouts would set the job's wall time.
+RETRY_TIMEOUT_FACTOR = 2.0
+
+
+def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | None:
+    """The read timeout of a request's next attempt after `timeouts` of its attempts timed out: the full one (None)
+    before any, or while no answer has come yet; else RETRY_TIMEOUT_FACTOR × the slowest answer so far, doubled per
+    timeout after the first, below the full one."""
+    if not timeouts or slowest_s <= 0:
+        return None
+    shrunk = RETRY_TIMEOUT_FACTOR * slowest_s * 2 ** (timeouts - 1)
+    return shrunk if shrunk < full_s else None
 
 
 class Unstarted(Exception):
@@ -31,6 +46,8 @@ class Generator:
         self._backoff = backoff(spec.retry_wait_s)
         self._t0 = time.monotonic()
         self.deadline = Deadline(spec.finish_by)
+        self.slowest_s = 0.0  # the longest a successful answer took (queueing at the server included)
+        self.full_timeout_s = spec.request_timeout_s or request_timeout(spec.sampling.max_tokens)
         self.pace = Pace(window=64)  # seconds per conversation, start to end (in-process: its batch's time)
         self.stopped_at_deadline = False
 
@@ -44,7 +61,7 @@ class Generator:
     async def _turn(self, prompt_id: str, messages: list[dict], first: bool = False) -> Completion:
         """One assistant turn, retried; the conversation's `first` turn is not sent once past the deadline (a prompt
         claimed early may wait for a slot while the batch before it runs)."""
-        attempts = 0
+        attempts = timeouts = 0
         try:
             async for attempt in AsyncRetrying(stop=stop_after_attempt(self.spec.max_attempts), wait=self._backoff,
                                                retry=retry_if_exception(retryable), reraise=True):
@@ -56,11 +73,14 @@ class Generator:
                         if first and attempts == 1 and self._past_deadline():
                             raise Unstarted(prompt_id)
                         try:
-                            c = await self.engine.chat(messages, self.spec.sampling)
+                            c = await self.engine.chat(messages, self.spec.sampling,
+                                                       retry_timeout(self.slowest_s, timeouts, self.full_timeout_s))
                         except EngineError as e:
+                            timeouts += e.timed_out
                             if retryable(e):  # overload or a failing server: congestion, if errors are common
                                 await self.throttle.failure(sent)
                             raise
+                        self.slowest_s = max(self.slowest_s, c.latency_s)
                         await self.throttle.success(sent, c.latency_s, c.completion_tokens)
                     return c
         except EngineError as e:
