@@ -48,7 +48,9 @@ class Generator:
         self.deadline = Deadline(spec.finish_by)
         self.slowest_s = 0.0  # the longest a successful answer took (queueing at the server included)
         self.full_timeout_s = spec.request_timeout_s or request_timeout(spec.sampling.max_tokens)
-        self.pace = Pace(window=64)  # seconds per conversation, start to end (in-process: its batch's time)
+        # seconds a conversation's requests take once sent (in-process: its batch's time); not from its claim: a
+        # prompt claimed early waits for a slot behind the batch before it
+        self.pace = Pace(window=64)
         self.stopped_at_deadline = False
 
     def _past_deadline(self) -> bool:
@@ -136,10 +138,9 @@ class Generator:
                     await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
                     self._report(work, total, already)
                     continue
-                started = time.monotonic()
                 try:
                     rec = await self.converse(prompts[prompt_id])
-                    self.pace.add(time.monotonic() - started)
+                    self.pace.add(sum(t["latency_s"] for t in rec["turns"]))
                 except Unstarted:  # past the deadline: the prompt stays unreached, and this task takes no more
                     await self.journal.commit()
                     return
