@@ -9,11 +9,12 @@ the same prompts three ways:
               with the drafter from Settings.vllm_command with `serve`)
   expected    from per-position teacher-forced accuracy: the training's promise (`expected_accuracy`, else an Eyas
               drafter's last validation)
-Then the known mis-wirings are tried in-process, one at a time (MISWIRINGS: aux ids shifted ±1, the aux blocks in
+Then the known mis-wirings are tried in-process, one at a time (`variants`: aux ids shifted ±1, the aux blocks in
 another order, d2t holding target ids instead of offsets or missing, each norm flag ignored, the chat template's
 thinking mode toggled, zero states), and the verdict names the one that brings τ to what the drafter can do, or
 the one that explains what the engine measured, with the config change or serving flag that fixes it. The input is
-never changed; `write_fixed` writes a fixed export into this job's artifact (fixed/).
+never changed; `write_fixed` writes a fixed export into this job's artifact (fixed/; `--out DIR` puts the artifact
+in DIR).
 
 Writes diagnoses/{id}/: diagnosis.json (the figures, every variant tried, the verdict), diagnosis.html, manifest.
 """
