@@ -123,8 +123,11 @@ def test_a_broken_drafter_is_diagnosed_and_its_fix_restores_acceptance(trained, 
 def test_traffic_rendered_in_another_thinking_mode_is_named(qwen3):
     as_trained = diagnose(qwen3, qwen3["drafter"], chat_template_kwargs=THINKING)
     assert as_trained["cause"] is None, as_trained["verdict"]
-    d = diagnose(qwen3, qwen3["drafter"], chat_template_kwargs={"enable_thinking": False})
+    d = diagnose(qwen3, qwen3["drafter"], chat_template_kwargs={"enable_thinking": False},
+                 traffic=qwen3["prompts"], traffic_prompts=3)
     assert d["cause"] == 'template {"enable_thinking": true}', d["verdict"]
+    # the traffic's own τ beside the benchmark's (a prompt file without categories: one group)
+    assert d["traffic"]["acceptance_length"] >= 1.0 and set(d["traffic"]["per_category"]) == {"all"}
     assert "chat_template_kwargs" in d["fix"]
     # the variant rendered as the training data was is the drafter as trained, measured the same way
     chosen = next(r for r in d["variants"] if r["name"] == d["cause"])
