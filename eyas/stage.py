@@ -64,6 +64,9 @@ def integral_floats(model: type[BaseModel], data: Any) -> Any:
     return out
 
 
+UNIX_TIME_MAX = 4_102_444_800.0  # 2100-01-01: the bound of a deadline field (a spec's `finish_by`, Unix seconds)
+
+
 class StageSpec(BaseModel):
     """Base of every stage's job spec. `then` lists the stages to run after this one, each a stage name or
     {"stage": name, ...spec overrides}; the next stage's input is this stage's output artifact."""

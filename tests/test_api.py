@@ -199,7 +199,7 @@ def test_oversized_body_is_refused_unread(service_client: TestClient, service_se
     _nothing_written(service_settings.settings)
 
 
-@pytest.mark.parametrize("stage", ["generate", "extract", "train", "evaluate"])
+@pytest.mark.parametrize("stage", ["generate", "extract", "train", "evaluate", "diagnose"])
 def test_every_number_has_a_documented_bound(stage: str):
     from orchestration.registry import get_stage
 

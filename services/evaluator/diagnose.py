@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from pydantic import Field
@@ -81,7 +81,7 @@ class Spec(StageSpec):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, max_length=64, description="how the served traffic is rendered, e.g. {\"enable_thinking\": false} "
         "(default: as the drafter's training data was, where its artifact records it, else the template's default)")
-    expected_accuracy: list[float] | None = Field(
+    expected_accuracy: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
         None, max_length=16, description="per-position teacher-forced accuracy the drafter's training reported "
         "(e.g. [0.87, 0.7, 0.55]); default: an Eyas drafter's last validation")
     endpoint: names("endpoint") | None = Field(

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.prompts import BUNDLED_NAMES
-from eyas.stage import StageSpec, integral_floats
+from eyas.stage import UNIX_TIME_MAX, StageSpec, integral_floats
 from eyas.target import BUNDLED
 
 
@@ -91,10 +91,10 @@ class Spec(StageSpec):
     checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part (resume granularity)")
     max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
                              "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
-    finish_by: float | None = Field(None, ge=0, description="a deadline, Unix seconds: no prompt is started that "
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is started that "
                                     "would not finish by then (as long as the last ones took), and the job ends "
                                     "with the conversations it has (the rest counted as `unreached`)")
-    synthesize_by: float | None = Field(None, ge=0, description="a deadline for synthesis, Unix seconds: no round "
+    synthesize_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline for synthesis, Unix seconds: no round "
                                         "of candidates is drawn that would not end by then (default: finish_by)")
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from eyas.drafter import NORM_FLAGS, check_norm_flags
 from eyas.features import FeatureReader
 from eyas.layout import Layout, check_layout
 from eyas.settings import Settings
-from eyas.stage import StageSpec
+from eyas.stage import UNIX_TIME_MAX, StageSpec
 from eyas.store import open_artifact
 from eyas.streaming import DEFAULT_CACHE_GB
 from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
@@ -46,7 +46,7 @@ class Spec(StageSpec):
     steps: int | None = Field(None, ge=1, le=100_000_000,
                               description="optimizer steps; default: `epochs` over the train split")
     epochs: float = Field(1.0, gt=0, le=1000)
-    finish_by: float | None = Field(None, ge=0, description="a deadline, Unix seconds: the steps (of `steps` or "
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: the steps (of `steps` or "
                                     "`epochs`, at most) that fit before it, the learning-rate schedule sized to them "
                                     "and re-sized as the step time drifts; then the last validation and the exports")
     norm_before_fc: bool = Field(False, description="EAGLE 3.1: one RMSNorm over the concatenated aux states before fc "
