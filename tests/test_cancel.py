@@ -221,7 +221,8 @@ def test_a_cancelled_generation_journals_the_samples_it_finished(tmp_path):
     class Engine:  # answers the first request, and is cancelled in the second
         answered = 0
 
-        async def chat(self, messages, params):
+        async def chat(self, messages, params, timeout_s=None):
+            del messages, params, timeout_s
             if self.answered:
                 raise Cancelled("cancelled")
             self.answered += 1
