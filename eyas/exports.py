@@ -209,18 +209,23 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
     return written, unsupported
 
 
-def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[Drafter, dict]:
+def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 overrides: dict[str, Any] | None = None, missing_vocab_map: bool = False) -> tuple[Drafter, dict]:
     """THE checkpoint loader: an export directory (config.json + model.safetensors, EAGLE layout or speculators
     format) → (Drafter in eval mode, in `dtype`, on the device of `embed_weight`; its config.json).
 
     `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (docs/eagle3.md §2.1). The
     number of aux layers is read from fc's width ([H, n_aux·H_t]), so a drafter trained on any count loads.
+    `overrides` replace config fields (e.g. a norm flag the weights show but the config lacks); with
+    `missing_vocab_map`, a checkpoint without d2t/t2d loads with the identity mapping an engine falls back to (the
+    diagnosis of such a drafter), where it is otherwise refused.
     """
     from safetensors.torch import load_file
 
     cfg_json = json.loads((Path(path) / CONFIG).read_text())
     flat = cfg_json.get("transformer_layer_config") or cfg_json  # speculators nests the layer config
-    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS) if k in cfg_json}}
+    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS) if k in cfg_json},
+            **(overrides or {})}
     state = {drafter_name(k): v for k, v in load_file(str(Path(path) / WEIGHTS)).items()}
     target_hidden = flat.get("target_hidden_size", flat["hidden_size"])
     fc_in = state["fc.weight"].shape[1] if "fc.weight" in state else 0
@@ -229,9 +234,11 @@ def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = to
                          f"target hidden size {target_hidden}")
     model = Drafter(drafter_config_from_eagle(flat, fc_in // target_hidden))
     state["embed_tokens.weight"] = embed_weight
-    if "d2t" not in state and model.cfg.draft_vocab_size == model.cfg.vocab_size:  # exported without the identity
-        state["d2t"] = torch.zeros(model.cfg.vocab_size, dtype=torch.int64)
-        state["t2d"] = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
+    if "d2t" not in state and (missing_vocab_map or model.cfg.draft_vocab_size == model.cfg.vocab_size):
+        # exported without the identity (or read as an engine reads a checkpoint that lacks it)
+        state["d2t"] = torch.zeros(model.cfg.draft_vocab_size, dtype=torch.int64)
+        state["t2d"] = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
+        state["t2d"][: model.cfg.draft_vocab_size] = True
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")

@@ -42,7 +42,6 @@ from eyas.exports import (
     EAGLE_DIR,
     HISTORY,
     WEIGHTS,
-    drafter_config_from_eagle,
     drafter_name,
     load_drafter,
     speculators_name,
@@ -187,18 +186,10 @@ def _load(exported: Exported, target: Target, dtype: torch.dtype) -> tuple[Draft
     from safetensors.torch import load_file
 
     weights = {drafter_name(k): v for k, v in load_file(str(exported.path / WEIGHTS)).items()}
-    overrides = _static_checks(exported, weights)
     embedding = target.model.get_input_embeddings().weight.detach()
-    if not overrides and "d2t" in weights:
-        return load_drafter(exported.path, embedding, dtype)[0], weights
-    flat = {**(exported.config.get("transformer_layer_config") or exported.config), **overrides}
-    flat.update({k: exported.config[k] for k in ("draft_vocab_size", "target_hidden_size") if k in exported.config})
-    target_hidden = flat.get("target_hidden_size", flat["hidden_size"])
-    drafter = Drafter(drafter_config_from_eagle(flat, weights["fc.weight"].shape[1] // target_hidden))
-    state = {k: v for k, v in weights.items() if k != "embed_tokens.weight"}
-    state["embed_tokens.weight"] = embedding
-    drafter.load_state_dict(state, strict=False)  # d2t/t2d stay zero where missing: the identity mapping
-    return drafter.to(embedding.device, dtype).eval(), weights
+    drafter, _ = load_drafter(exported.path, embedding, dtype, overrides=_static_checks(exported, weights),
+                              missing_vocab_map=True)
+    return drafter, weights
 
 
 def _thinking_toggle(target: Target, kwargs: dict[str, Any]) -> dict[str, Any] | None:
