@@ -6,6 +6,10 @@
               logits = lm_head(norm(h))                 # [B, T, Vd] draft-vocab logits; target id = i + d2t[i]
 EAGLE 3.1's optional norms (DrafterConfig.norm_before_fc / fc_norm / norm_output) add an RMSNorm before fc, over
 cat(aux) or per aux chunk, and feed norm(h) back instead of h.
+P-EAGLE (parallel drafting, DrafterConfig.mask_token_id set) is the same network fed differently: every step after
+the first takes the mask token and fc(mask_hidden), a learned [n_aux·H_t] state, instead of the previous draft and
+its state (`Drafter.feed`), so no step waits on another and the engine drafts all K in one forward (vLLM's
+`"parallel_drafting": true`: the last context slot, then K−1 mask slots at the next positions, causal).
 
 Module names equal the EAGLE/SpecForge checkpoint names, so export is the state dict minus the frozen embedding
 (eyas.exports writes and loads the checkpoints).
@@ -54,6 +58,9 @@ class DrafterConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    # P-EAGLE: the token id fed at every parallel slot (its embedding is the target's, frozen like the rest); None
+    # for the EAGLE-3 chain.
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         check_norm_flags(self.norm_before_fc, self.fc_norm)
@@ -64,9 +71,11 @@ class DrafterConfig:
         return {k: True for k in NORM_FLAGS if getattr(self, k)}
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int, **norms: bool) -> DrafterConfig:
+    def from_target(cls, target_config, draft_vocab_size: int, num_aux: int, parallel: bool = False,
+                    **norms: bool) -> DrafterConfig:
         """The drafter for a target (a transformers config): its widths, heads and RoPE; `num_aux` is the number
-        of aux layers the features concatenate (the layout's); `norms`, EAGLE 3.1's flags."""
+        of aux layers the features concatenate (the layout's); `parallel`, P-EAGLE (its mask token is the target
+        vocabulary's last id); `norms`, EAGLE 3.1's flags."""
         c = target_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
@@ -78,7 +87,8 @@ class DrafterConfig:
             head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
             draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_hidden_size=c.hidden_size,
             num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
-            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None, **norms,
+            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+            mask_token_id=c.vocab_size - 1 if parallel else None, **norms,
         )
 
 
@@ -223,6 +233,8 @@ class Drafter(nn.Module):
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
         self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
+        if cfg.mask_token_id is not None:  # P-EAGLE's state at every parallel slot, in the space before fc
+            self.mask_hidden = nn.Parameter(torch.zeros(width))
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -235,6 +247,15 @@ class Drafter(nn.Module):
         if self.cfg.fc_norm:
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, -1), strict=True)], -1)
         return self.fc(aux)
+
+    def feed(self, tokens, hidden):
+        """What a draft step after the first takes, given the previous step's tokens [B, T] (the chain's draft or
+        teacher-forced token) and output state [B, T, H]: those (EAGLE-3), or the mask token and fc(mask_hidden) at
+        every index (P-EAGLE)."""
+        if self.cfg.mask_token_id is None:
+            return tokens, hidden
+        mask = self.project(self.mask_hidden.to(hidden.dtype))  # [H]
+        return torch.full_like(tokens, self.cfg.mask_token_id), mask.expand_as(hidden)
 
     def step(self, input_ids, hidden, position_ids, cache: TTTCache):
         """One draft step: returns the hidden state [B, T, H] fed back to the next step (pre-norm; post-norm under

@@ -43,7 +43,8 @@ HISTORY = "history.json"
 _SPECULATORS_PREFIXES = {"midlayer.": "layers.0."}
 # Fields of the EAGLE config that are not part of a plain Llama layer config.
 _EAGLE_ONLY = ("architectures", "draft_vocab_size", "norm_before_residual", "target_hidden_size", "eyas_layout",
-               "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype", *NORM_FLAGS)
+               "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype", "mask_token_id", *NORM_FLAGS)
+MASK_HIDDEN = "mask_hidden"  # P-EAGLE's learned state [n_aux·H_t] (speculators: [1, 1, n_aux·H_t])
 
 
 def speculators_name(name: str) -> str:
@@ -88,6 +89,8 @@ def eagle_config(cfg: DrafterConfig, layout: Layout, dtype: str) -> dict[str, An
         "eyas_layout": layout.to_dict(),
         **cfg.norms,  # EAGLE 3.1's flags, only those that are on (vLLM reads them at the top level)
     }
+    if cfg.mask_token_id is not None:  # P-EAGLE: vLLM serves it with "parallel_drafting": true
+        out["mask_token_id"] = cfg.mask_token_id
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
     if not layout.is_default:
@@ -107,7 +110,8 @@ def drafter_config_from_eagle(cfg: dict[str, Any], num_aux: int) -> DrafterConfi
         draft_vocab_size=cfg["draft_vocab_size"],
         target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), num_aux=num_aux,
         rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=cfg["max_position_embeddings"],
-        rope_scaling=cfg.get("rope_scaling"), **{k: bool(cfg.get(k, False)) for k in NORM_FLAGS},
+        rope_scaling=cfg.get("rope_scaling"), mask_token_id=cfg.get("mask_token_id"),
+        **{k: bool(cfg.get(k, False)) for k in NORM_FLAGS},
     )
 
 
@@ -136,15 +140,16 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
                        speculative_tokens: int) -> dict[str, Any]:
     layer = {k: v for k, v in eagle_cfg.items() if k not in _EAGLE_ONLY}
     layer["architectures"] = ["LlamaForCausalLM"]
+    parallel = eagle_cfg.get("mask_token_id") is not None  # P-EAGLE: the speculators library's "peagle"
     cfg: dict[str, Any] = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+        "speculators_model_type": "peagle" if parallel else "eagle3",
         "transformer_layer_config": layer,
         "draft_vocab_size": eagle_cfg["draft_vocab_size"],
         "norm_before_residual": False,
         "target_hidden_size": eagle_cfg.get("target_hidden_size", eagle_cfg["hidden_size"]),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": "peagle" if parallel else "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -154,6 +159,8 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
         "eyas_layout": layout.to_dict(),
         **{k: True for k in NORM_FLAGS if eagle_cfg.get(k)},
     }
+    if parallel:
+        cfg["mask_token_id"] = eagle_cfg["mask_token_id"]
     # vLLM reads these as input-to-layer ids (docs/eagle3.md §3.4); written even for the default layers, since the
     # speculators library otherwise resolves them from the verifier, which may name none
     cfg["eagle_aux_hidden_state_layer_ids"] = layout.vllm_ids
@@ -171,6 +178,9 @@ def unsupported_engines(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dic
         check_serving(layout, eagle_cfg, "sglang")
         if norms:
             raise LayoutMismatch(f"its llama_eagle3 reads none of EAGLE 3.1's norms ({', '.join(norms)})")
+        if eagle_cfg.get("mask_token_id") is not None:
+            raise LayoutMismatch("its EAGLE-3 worker drafts a chain and reads no mask_hidden: a P-EAGLE drafter "
+                                 "would see the drafts it was not trained on (vLLM serves it with parallel_drafting)")
     except LayoutMismatch as e:
         unsupported["sglang"] = str(e)
     return unsupported
@@ -189,7 +199,8 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
     spec_cfg = speculators_config(eagle_cfg, layout, verifier, speculative_tokens)
     unsupported = unsupported_engines(layout, eagle_cfg, spec_cfg)
     tensors = export_tensors(weights, getattr(torch, dtype))
-    missing = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} - tensors.keys()
+    missing = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+               *([MASK_HIDDEN] if cfg.mask_token_id is not None else [])} - tensors.keys()
     if "embed_tokens.weight" not in weights:
         missing.add("embed_tokens.weight")
     if missing:
@@ -200,6 +211,8 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
         del tensors["d2t"], tensors["t2d"]
     embed = weights["embed_tokens.weight"].detach().cpu().to(getattr(torch, dtype)).contiguous()
     renamed = {**{speculators_name(k): v for k, v in tensors.items()}, "embed_tokens.weight": embed}
+    if MASK_HIDDEN in renamed:  # the speculators library's parameter is [1, 1, n_aux·H_t]
+        renamed[MASK_HIDDEN] = renamed[MASK_HIDDEN].reshape(1, 1, -1).contiguous()
     written = []
     for sub, cfg, weights in ((EAGLE_DIR, eagle_cfg, tensors), (SPECULATORS_DIR, spec_cfg, renamed)):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -224,9 +237,12 @@ def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = to
 
     cfg_json = json.loads((Path(path) / CONFIG).read_text())
     flat = cfg_json.get("transformer_layer_config") or cfg_json  # speculators nests the layer config
-    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS) if k in cfg_json},
+    flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", "mask_token_id", *NORM_FLAGS)
+                       if k in cfg_json},
             **(overrides or {})}
     state = {drafter_name(k): v for k, v in load_file(str(Path(path) / WEIGHTS)).items()}
+    if MASK_HIDDEN in state:
+        state[MASK_HIDDEN] = state[MASK_HIDDEN].reshape(-1)
     target_hidden = flat.get("target_hidden_size", flat["hidden_size"])
     fc_in = state["fc.weight"].shape[1] if "fc.weight" in state else 0
     if fc_in == 0 or fc_in % target_hidden:

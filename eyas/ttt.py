@@ -5,6 +5,7 @@ For a sequence x_0..x_{T-1} with aux features g_t, final post-norm target states
 TTT step k = 0..K-1 at index t:
   token     x_{t+1+k}                          (ground truth, teacher forcing: shifted left one more per step)
   hidden    fc(g_t) at k = 0, else the drafter's pre-norm output of step k-1 at index t
+            (P-EAGLE, k ≥ 1: the mask token and fc(mask_hidden) in place of token and hidden; Drafter.feed)
   position  t + k                              (RoPE)
   attention step-0 keys causally (indices ≤ t) + the key of each step 1..k at index t (Drafter/TTTCache)
   label     p = softmax over the draft vocabulary of y_{t+1+k} @ lm_head^T restricted to t2d ids (renormalized)
@@ -118,7 +119,7 @@ def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, st
         n = max(T - s, 0)  # indices with a label inside the row
         tokens = torch.zeros_like(ids)
         tokens[:, :n] = ids[:, s:]
-        hidden = drafter.step(tokens, hidden, positions + k, cache)
+        hidden = drafter.step(*(drafter.feed(tokens, hidden) if k else (tokens, hidden)), positions + k, cache)
         mask = lmask[:, k: k + n].bool() & usable[:, s:]  # [B, n]
         # The lm_head runs only on masked positions (no prompt, no padding): it is the costliest matmul.
         head = (drafter, hidden[:, :n][mask], p[:, s:][mask], p_top[:, s:][mask])

@@ -24,6 +24,8 @@ from eyas.target import BUNDLED
 if TYPE_CHECKING:
     from orchestration.budget import FeaturesPolicy
 
+METHODS = ("eagle3", "peagle")  # the trainer's (services.trainer.spec.Spec.method)
+
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, default=Path("eyas-work"), help="everything goes under DIR (default: %(default)s)")
@@ -53,6 +55,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-gb", type=_positive, default=None,
                    help="disk for the features in the store, GiB (default: half the free space of the workdir's "
                    "filesystem)")
+    p.add_argument("--method", choices=(*METHODS, "auto"), default="eagle3",
+                   help="the drafter: eagle3 (a chain, one drafter step per draft token), peagle (P-EAGLE: all draft "
+                   "tokens in one drafter forward; vLLM's parallel_drafting), or auto: both on the same features, "
+                   "each with half the training and evaluation time, and the one predicted faster at --concurrency "
+                   "named at the end (one, eagle3, when the features are streamed: they feed one trainer) "
+                   "(default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="the serving concurrency --method auto chooses for (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
@@ -186,6 +196,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
                                   cap_gb)
     print(f"features: {policy}: {why}")
     streamed = policy != "cache"
+    methods = (METHODS if not streamed else ("eagle3",)) if args.method == "auto" else (args.method,)
+    if args.method == "auto" and streamed:
+        print("--method auto: the features are streamed into one trainer: training eagle3 only")
     left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("extract", "train", "evaluate"),
                   overlap=streamed, eval_cap_s=eval_cap)
     _replanned("generate", generated, samples, machine, rates, left, replanned)
@@ -198,7 +211,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     extract[get_input("extract")] = generated.artifacts["output"]
     if streamed:
         train["finish_by"] = time.time() + left["train"]
-        jobs += runner.run_job("extract", {**_job(extract), "then": [train]})
+        jobs += runner.run_job("extract", {**_job(extract), "then": [{**train, "method": methods[0]}]})
     else:
         jobs += runner.run_job("extract", _job(extract))
         extracted = jobs[-1]
@@ -209,19 +222,29 @@ def run_pipeline(args: argparse.Namespace) -> int:
         left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("train", "evaluate"),
                       eval_cap_s=eval_cap)
         _replanned("extract", extracted, samples, machine, rates, left, replanned)
-        train["finish_by"] = time.time() + left["train"]
         train[get_input("train")] = extracted.artifacts["output"]
-        jobs += runner.run_job("train", _job(train))
-    trained = jobs[-1]
-    if trained.stage != "train" or trained.state != "succeeded":
+        train_end = time.time() + left["train"]
+        for i, method in enumerate(methods):  # each its share of the training time left
+            train["finish_by"] = time.time() + (train_end - time.time()) / (len(methods) - i)
+            jobs += runner.run_job("train", _job({**train, "method": method}))
+            if jobs[-1].state != "succeeded":
+                return _unfinished(jobs, plan.seconds, replanned)
+    drafters = [j for j in jobs if j.stage == "train"]
+    if not drafters or drafters[-1].state != "succeeded":
         return _unfinished(jobs, plan.seconds, replanned)
 
-    # evaluation: what is left
+    # evaluation: what is left, shared by the drafters; the last one's report compares them
     replanned["evaluate"] = end - time.time()
-    evaluate["finish_by"] = end
-    evaluate[get_input("evaluate")] = trained.artifacts["output"]
-    print(f"re-plan after train: evaluate {replanned['evaluate']:.0f} s (at least {evaluate['min_prompts']} prompts)")
-    jobs += runner.run_job("evaluate", _job(evaluate))
+    print(f"re-plan after train: evaluate {replanned['evaluate']:.0f} s (at least {evaluate['min_prompts']} prompts"
+          f"{' each' if len(drafters) > 1 else ''})")
+    reports = []
+    for i, trained in enumerate(drafters):
+        evaluate["finish_by"] = time.time() + (end - time.time()) / (len(drafters) - i)
+        evaluate[get_input("evaluate")] = trained.artifacts["output"]
+        jobs += runner.run_job("evaluate", _job({**evaluate, "compare_with": [r.artifacts["output"] for r in reports]}))
+        if jobs[-1].state != "succeeded":
+            break
+        reports.append(jobs[-1])
     print()
     _summary(jobs, plan.seconds, replanned)
     report = jobs[-1]
@@ -233,13 +256,28 @@ def run_pipeline(args: argparse.Namespace) -> int:
           f"{time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
     for name, uri in sorted(report.artifacts.items()):
         print(f"  {name}: {uri}")
-    print("drafter exports (vLLM/SGLang: eagle; speculators):")
-    for name, uri in sorted(trained.artifacts.items()):
-        if name != "output":
-            print(f"  {name}: {uri}")
+    for trained in drafters:
+        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (vLLM/SGLang: eagle; speculators):")
+        for name, uri in sorted(trained.artifacts.items()):
+            if name != "output":
+                print(f"  {name}: {uri}")
     if report.metrics.get("serving_decision"):
         print(f"\n{report.metrics['serving_decision']}")
+    if len(reports) > 1:
+        print(_method_choice(report, args.concurrency))
     return 0
+
+
+def _method_choice(report, concurrency: int) -> str:
+    """The method the last report's comparison predicts fastest at the concurrency nearest `concurrency`."""
+    from eyas.store import open_artifact
+
+    methods = json.loads(open_artifact(report.artifacts["output"]).get_bytes("report.json"))["serving"]["methods"]
+    pick = min(methods["choice"], key=lambda c: abs(c["concurrency"] - concurrency))
+    table = "; ".join(f"{m['method']} " + ", ".join(f"{b['speedup']:.2f} × (K = {b['k']}) at {b['concurrency']}"
+                                                    for b in m["best"]) for m in methods["methods"])
+    return (f"methods (predicted speed-up): {table}\nat concurrency {pick['concurrency']}: serve {pick['method']} "
+            f"({pick['speedup']:.2f} ×, K = {pick['k']}): {pick['drafter']}")
 
 
 def _job(entry: dict) -> dict:

@@ -100,3 +100,34 @@ def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):
             pass
     assert "root cause: (EngineCore) ValueError: no GPU here" in str(err.value)
     assert "See root cause above" in str(err.value)  # and the tail
+
+
+def test_a_parallel_drafter_pays_one_forward_for_k_drafts_and_the_comparison_picks_per_concurrency():
+    """P-EAGLE drafts K tokens in one forward over c·K tokens: on a drafter that costs the same at any batch its
+    draft time does not grow with K, where the chain's grows K-fold; compare_methods names, per concurrency, the
+    method predicted faster from each one's own τ(K) and draft cost."""
+    from services.evaluator.serving import compare_methods
+
+    slow_drafter = [(1, 0.004), (64, 0.004), (512, 0.008)]
+    chain = StepTimes(ENGINE.target, slow_drafter)
+    parallel = StepTimes(ENGINE.target, slow_drafter, parallel=True)
+    assert chain.draft_s(1, 3) == pytest.approx(0.012) and parallel.draft_s(1, 3) == pytest.approx(0.004)
+    assert parallel.draft_s(1, 7) == parallel.draft_s(1, 1)
+    assert parallel.spec_step(4, 3) == pytest.approx(0.010 + 0.004)
+    assert json.loads(speculative_config("DIR", 3, parallel=True))["parallel_drafting"] is True
+    assert "parallel_drafting" not in json.loads(speculative_config("DIR", 3))
+    lower = {k: t - 0.1 for k, t in GOOD.items()}  # P-EAGLE accepts a little less
+    out = compare_methods(ENGINE.target, [
+        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": slow_drafter, "parallel": False},
+        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": slow_drafter, "parallel": True}])
+    assert [m["method"] for m in out["methods"]] == ["eagle3", "peagle"]
+    # at concurrency 1 the chain's 3 × 4 ms of drafting costs more than its extra τ buys
+    assert out["choice"][0]["method"] == "peagle"
+    speedups = {m["method"]: m["best"][0]["speedup"] for m in out["methods"]}
+    assert out["choice"][0]["speedup"] == max(speedups.values())
+    # with a free drafter the chain's higher τ wins everywhere
+    free = [(1, 0.0), (512, 0.0)]
+    out = compare_methods(ENGINE.target, [
+        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": free, "parallel": False},
+        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": free, "parallel": True}])
+    assert {c["method"] for c in out["choice"]} == {"eagle3"}

@@ -476,3 +476,52 @@ def read_tensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     return load(data)
+
+
+def test_peagle_drafts_k_tokens_in_one_causal_forward_and_exports_what_vllm_reads(tmp_path):
+    """P-EAGLE: the TTT structure with the mask token and state fed after step 0 (what training, the replay and the
+    in-process decoding run) computes what the engine's single causal forward over [context, K−1 mask slots]
+    computes; the export carries mask_token_id and mask_hidden where vLLM and the speculators library read them,
+    SGLang is listed as unable to serve it, and the loader reads either export back."""
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(BUNDLED, 64, BUNDLED_LAYOUT, parallel=True))
+    drafter.set_vocab(torch.arange(64))
+    embed = torch.randn(49152, 576)
+    drafter.embed_tokens.weight.data.copy_(embed)
+    with torch.no_grad():
+        drafter.mask_hidden.normal_(0, 20)
+    assert drafter.cfg.mask_token_id == 49151
+    n, K = 9, 4
+    aux, ids = torch.randn(1, n, 3 * 576) * 20, torch.randint(0, 49152, (1, n))
+    with torch.no_grad():
+        cache, pos = TTTCache(), torch.arange(n)[None]
+        hidden = drafter.step(ids, drafter.project(aux), pos, cache)
+        chained = [drafter.logits(hidden)[:, -1]]
+        tok, hidden = ids[:, -1:], hidden[:, -1:]
+        for j in range(1, K):
+            hidden = drafter.step(*drafter.feed(tok, hidden), pos[:, -1:] + j, cache)
+            chained.append(drafter.logits(hidden)[:, -1])
+        slots = torch.full((1, K - 1), drafter.cfg.mask_token_id)
+        states = torch.cat([drafter.project(aux), drafter.project(drafter.mask_hidden).expand(1, K - 1, -1)], 1)
+        once = drafter.step(torch.cat([ids, slots], 1), states, torch.arange(n + K - 1)[None], TTTCache())
+        torch.testing.assert_close(drafter.logits(once)[0, n - 1:], torch.cat(chained), rtol=1e-4, atol=1e-4)
+        # what a step after the first takes does not depend on what was drafted before it
+        fed = drafter.feed(tok + 1, hidden * 2)
+        assert torch.equal(fed[0], drafter.feed(tok, hidden)[0]) and torch.equal(fed[1], drafter.feed(tok, hidden)[1])
+
+    weights = {**drafter.state_dict(), "embed_tokens.weight": embed}
+    _, unsupported = export_drafter(drafter.cfg, weights, BUNDLED_LAYOUT, tmp_path, "float32",
+                                    {"name_or_path": None}, 3)
+    assert set(unsupported) == {"sglang"} and "P-EAGLE" in unsupported["sglang"]
+    eagle_cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    spec_cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert eagle_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and eagle_cfg["mask_token_id"] == 49151
+    assert spec_cfg["speculators_model_type"] == "peagle" and spec_cfg["mask_token_id"] == 49151
+    assert "mask_token_id" not in spec_cfg["transformer_layer_config"]
+    assert load_file(str(tmp_path / "eagle" / "model.safetensors"))["mask_hidden"].shape == (3 * 576,)
+    assert load_file(str(tmp_path / "speculators" / "model.safetensors"))["mask_hidden"].shape == (1, 1, 3 * 576)
+    for sub in ("eagle", "speculators"):
+        loaded, _ = load_drafter(tmp_path / sub, embed)
+        assert loaded.cfg.mask_token_id == 49151 and torch.equal(loaded.mask_hidden, drafter.mask_hidden)
+        assert all(torch.allclose(a, b, atol=1e-5)
+                   for a, b in zip(_draft_logits(loaded, aux, ids), _draft_logits(drafter, aux, ids), strict=True))

@@ -34,6 +34,7 @@ from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator.chains import replay, run_lengths
+from services.evaluator.costmodel import speculative_config
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
@@ -173,3 +174,37 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     assert list(serving["tau_per_k"]) == [str(k) for k in range(1, 8)]
     assert json.loads(serving["speculative_config"])["num_speculative_tokens"] == recommended
     assert job.metrics["serving_decision"] == serving["decision"]
+
+
+def test_peagle_from_the_same_features_serves_with_parallel_drafting(trained):
+    """P-EAGLE trains on the EAGLE-3 drafter's own features artifact (no new extraction), exports what vLLM serves
+    with "parallel_drafting": true (the EAGLE-3 architecture, a top-level mask_token_id and mask_hidden), and vLLM's
+    acceptance on it equals the in-process count, which the one-pass replay equals count for count."""
+    emb, eagle3, prompt_file = trained
+    features = read_manifest(open_artifact(eagle3), kind="drafter").inputs[0]
+    [job] = emb.run_job("train", {"features": features, **CPU_PRESET, "method": "peagle", "steps": 40,
+                                  "warmup": 5, "val_interval": 0})
+    assert job.state == "succeeded", job.error
+    eagle_dir = local_path(job.artifacts["output"]) / "eagle"
+    config = json.loads((eagle_dir / "config.json").read_text())
+    target = load_target(BUNDLED)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["mask_token_id"] == target.model.config.vocab_size - 1
+    spec_cfg = json.loads((eagle_dir.parent / "speculators" / "config.json").read_text())
+    assert spec_cfg["speculators_model_type"] == "peagle" and spec_cfg["mask_token_id"] == config["mask_token_id"]
+    d, _ = load_drafter(eagle_dir, target.model.get_input_embeddings().weight.detach())
+    assert d.cfg.mask_token_id == config["mask_token_id"] and d.mask_hidden.abs().sum() > 0  # trained, not the init
+    layout = Layout.from_dict(read_manifest(open_artifact(job.artifacts["output"]), kind="drafter").layout)
+    prompts = eval_prompts(target.tokenizer, str(prompt_file))
+    ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
+    per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
+                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], 7)
+    assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
+    serve = json.loads(speculative_config(str(eagle_dir), K, parallel=True))
+    assert serve["parallel_drafting"] is True
+    with vllm_server(bundled_target_dir(), speculative_config=serve) as url:
+        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    assert ours["matches_greedy"], ours["greedy_mismatches"]
+    assert vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
+    assert ours["accepted"] > 0 and vllm["accepted"] > 0
+    agree(ours, vllm)

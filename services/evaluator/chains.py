@@ -13,7 +13,8 @@ The pass (shapes for one prompt of P tokens with output O, N = P + O, T = N - 1 
              row t proposes the token after x_{t+1}, compared with preds[t+1]
   draft j    row t feeds (its pre-norm state of step j-1, preds[t+j]) at position t+j, attending to step-0 keys
              ≤ t and its own keys of steps 1..j (eyas.drafter.TTTCache): while every earlier draft was accepted it
-             equals preds[t+j], so this is the real chain exactly as long as it matters
+             equals preds[t+j], so this is the real chain exactly as long as it matters (a parallel drafter,
+             P-EAGLE, feeds its mask token and state instead: Drafter.feed; its drafts do not depend on K either)
   beyond     the output's last round may draft past its end (past max_new_tokens or a stop token): live decoding
              checks those drafts against the target's next greedy tokens and counts them before truncating, so the
              target continues greedily for k_max − 1 tokens past the end (KV cache, one token per forward) and the
@@ -59,7 +60,7 @@ def drafter_runs(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, preds: 
     alive = torch.ones(rows, dtype=torch.bool, device=on)  # every draft so far accepted
     for j in range(k_max):
         if j:  # row t feeds preds[t+j]: the token draft j proposed, while every earlier draft was accepted
-            hidden = drafter.step(preds[j: j + rows][None], hidden, pos + j, cache)
+            hidden = drafter.step(*drafter.feed(preds[j: j + rows][None], hidden), pos + j, cache)
         draft = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))[0]  # [T]: row t's draft j+1
         alive &= draft == preds[1 + j: 1 + j + rows]
         run += alive.long()

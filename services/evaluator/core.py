@@ -350,6 +350,15 @@ def _second_set(spec: Spec, ctx: StageContext, subject: Subject,
                            per_position_acceptance=scored["per_position_acceptance"])
 
 
+def _compared(uri: str, ctx: StageContext) -> dict:
+    """What compare_methods needs of an earlier evaluation report."""
+    report = json.loads(open_artifact(uri, ctx.settings).get_bytes("report.json"))
+    serving_ = report["serving"]
+    method = report.get("method", "eagle3")
+    return {"method": method, "drafter": report["drafter"], "tau_per_k": serving_["tau_per_k"],
+            "drafter_s": [tuple(p) for p in serving_["drafter_s"]], "parallel": method != "eagle3"}
+
+
 def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, replayed: Replayed) -> dict:
     """Step 6: predict serving speed per (concurrency, K) and check it live when vLLM is at hand: the job's
     endpoints, or servers started with the operator's Settings.vllm_command (the speculative one at the
@@ -365,9 +374,14 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
                                      if command else None)
         times, measured = serving.measure_steps(subject.target, drafter, prompts[0].ids, endpoint, api_key)
         out = {**measured, **serving.predict(times, per_k, eagle_model)}
+        if spec.compare_with:
+            out["methods"] = serving.compare_methods(times.target, [
+                {"method": subject.facts.method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
+                 "drafter_s": times.drafter, "parallel": times.parallel},
+                *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:
-            config = json.loads(costmodel.speculative_config(str(eagle_dir), out["best"][0]["k"]))
+            config = json.loads(costmodel.speculative_config(str(eagle_dir), out["best"][0]["k"], times.parallel))
             spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config))
         if endpoint and spec_endpoint:
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
@@ -386,6 +400,7 @@ def _report(spec: Spec, subject: Subject, wiring: dict, accuracy: Accuracy, repl
     return Report(
         target=spec.target,
         layout=subject.layout.to_dict(),
+        method=subject.facts.method,
         k=spec.k,
         per_position_accuracy=acc,
         acceptance_length=scored["acceptance_length"],

@@ -7,6 +7,8 @@ K drafter steps at batch c; it emits τ(K) tokens per sequence on average, so
 
     tokens/s = c · τ(K) / (t(c·(K+1)) + K · t_draft(c) + overhead)
 
+A parallel drafter (P-EAGLE) drafts all K in one forward over c·K tokens: its drafting term is t_draft(c·K), not
+K · t_draft(c), and it does not grow with K as long as the drafter's forward is not compute-bound.
 t is piecewise-linear over the measured (tokens in the step, seconds) points, t_draft over (batch, seconds), and
 `overhead` is what a speculative step costs on the engine beyond the two (0 unless measured). τ(K) = 1 + Σ_{i≤K} p_i
 is the acceptance length of a K-token chain, measured for each K (services.evaluator.chains).
@@ -40,12 +42,17 @@ class StepTimes:
     target: list[tuple[int, float]]  # (tokens in one target forward, seconds)
     drafter: list[tuple[int, float]]  # (batch, seconds of one draft step: one token per sequence)
     overhead: float = 0.0  # seconds per speculative step beyond the target and drafter forwards
+    parallel: bool = False  # the drafter proposes all K in one forward (P-EAGLE)
 
     def plain_step(self, c: int) -> float:
         return interpolate(self.target, c)
 
     def spec_step(self, c: int, k: int) -> float:
-        return interpolate(self.target, c * (k + 1)) + k * interpolate(self.drafter, c) + self.overhead
+        return interpolate(self.target, c * (k + 1)) + self.draft_s(c, k) + self.overhead
+
+    def draft_s(self, c: int, k: int) -> float:
+        """Seconds to draft K tokens for c sequences: K chained forwards at batch c, or one over c·K tokens."""
+        return interpolate(self.drafter, c * k) if self.parallel else k * interpolate(self.drafter, c)
 
     def plain_tok_s(self, c: int) -> float:
         return c / self.plain_step(c)
@@ -54,9 +61,11 @@ class StepTimes:
         return c * tau_k / self.spec_step(c, k)
 
 
-def speculative_config(model: str, k: int) -> str:
-    """The exact `--speculative-config` value for vLLM (model: where the server reads the eagle/ export)."""
-    return json.dumps({"method": "eagle3", "model": model, "num_speculative_tokens": k})
+def speculative_config(model: str, k: int, parallel: bool = False) -> str:
+    """The exact `--speculative-config` value for vLLM (model: where the server reads the eagle/ export;
+    `parallel`: a P-EAGLE drafter, which vLLM drafts in one forward)."""
+    config = {"method": "eagle3", "model": model, "num_speculative_tokens": k}
+    return json.dumps({**config, "parallel_drafting": True} if parallel else config)
 
 
 def break_even(times: StepTimes, taus: dict[int, float], up_to: int) -> int | None:

@@ -52,7 +52,7 @@ from eyas.prompts import BUNDLED_NAMES
 from eyas.stage import StageContext, StageResult, StageSpec
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, Target, load_target, resolve_target
-from services.evaluator import launch
+from services.evaluator import costmodel, launch
 from services.evaluator.chains import chain_acceptance, drafter_runs, target_pass
 from services.evaluator.live import timed_completions
 from services.evaluator.report import expected_acceptance_length
@@ -318,8 +318,8 @@ def _served(spec: Spec, ctx: StageContext, exported: Exported, prompts: list[Pro
     elif spec.serve:
         if not ctx.settings.vllm_command:
             raise ValueError("serve=true needs EYAS_VLLM_COMMAND (the command that starts vLLM's OpenAI server)")
-        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target),
-                            {"method": "eagle3", "model": str(exported.path), "num_speculative_tokens": spec.k})
+        config = costmodel.speculative_config(str(exported.path), spec.k, "mask_token_id" in exported.config)
+        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), json.loads(config))
     else:
         return None
     with stack as url:

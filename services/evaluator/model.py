@@ -260,6 +260,27 @@ class LiveCheck(_Model):
     outputs_equal: bool
 
 
+class MethodBest(_Model):
+    """One drafter's predictions beside the others (compare_with)."""
+    method: str
+    drafter: str = Field(description="the drafter artifact's URI")
+    best: list[BestK] = Field(description="its best K per concurrency")
+
+
+class MethodChoice(_Model):
+    concurrency: int
+    method: str
+    drafter: str
+    k: int
+    speedup: float
+
+
+class Methods(_Model):
+    """The drafters compared under this engine's target step times, and the one predicted fastest per concurrency."""
+    methods: list[MethodBest]
+    choice: list[MethodChoice]
+
+
 class Serving(_Model):
     """Will this drafter speed up serving (services.evaluator.serving): measured step times, predicted tok/s and
     speed-up per concurrency and K, the best K, and the live check when vLLM was at hand."""
@@ -275,6 +296,7 @@ class Serving(_Model):
     speculative_config: str = Field(description="the exact --speculative-config value")
     decision: str = Field(description="the recommendation in one line")
     per_position_acceptance_per_k: dict[str, list[float]]
+    methods: Methods | None = _absent("this drafter beside the reports of compare_with; absent without them")
     live_endpoints: LiveEndpoints | None = _absent("the servers the live check ran against; absent without them")
     live_check: list[LiveCheck] | None = _absent("measured vs predicted speed-up; absent without vLLM")
 
@@ -285,7 +307,9 @@ class Report(_Model):
     report's JSON form)."""
     target: str
     layout: dict[str, Any] = Field(description="the drafter's layout (eyas.layout.Layout.to_dict())")
-    k: int = Field(description="draft tokens per target forward (chain)")
+    method: str = Field("eagle3", description="eagle3 (a chain: one drafter step per draft token) or peagle "
+                        "(parallel drafting: all K in one drafter forward)")
+    k: int = Field(description="draft tokens per target forward")
     per_position_accuracy: list[float] = Field(description="teacher-forced accuracy per TTT step; [] without features")
     acceptance_length: float | None = Field(
         description="τ, replayed over the target's greedy output (incl. the bonus token)")

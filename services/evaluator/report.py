@@ -186,6 +186,15 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
                  f"τ {r['tau_in_process']:.3f} in-process, {r['tau_vllm']:.3f} vLLM")
                 for r in serving["live_check"]]
         parts += ["<h3>Checked live on vLLM</h3>", _table(live)]
+    if serving.get("methods"):
+        methods = serving["methods"]
+        head = "".join(f"<th>{c['concurrency']}</th>" for c in methods["choice"])
+        rows = "".join(f"<tr><th>{html.escape(m['method'])}</th>"
+                       + "".join(f"<td>K = {b['k']}: {b['speedup']:.2f} ×</td>" for b in m["best"]) + "</tr>"
+                       for m in methods["methods"])
+        pick = "".join(f"<td>{html.escape(c['method'])}</td>" for c in methods["choice"])
+        parts += ["<h3>Methods compared (predicted, best K per concurrency)</h3>",
+                  f"<table><tr><th>concurrency</th>{head}</tr>{rows}<tr><th>fastest</th>{pick}</tr></table>"]
     return parts
 
 

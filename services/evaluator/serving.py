@@ -6,6 +6,9 @@
                  (services.evaluator.steptime)
   3. prediction  tokens/s with and without speculation per (concurrency, K), best K, break-even, the decision
                  line (services.evaluator.costmodel)
+  3b. methods    with earlier reports of other drafters for the same target (compare_with: e.g. EAGLE-3 beside
+                 P-EAGLE), each one's best K and predicted speed-up per concurrency from its own τ(K) and draft cost
+                 under this engine's target step times, and which method wins at each concurrency
   4. live check  the A/B on vLLM without and with the drafter at two concurrencies, at the K the speculative server
                  runs (its /metrics: draft tokens / drafts): predicted vs measured speed-up in the steady state the
                  model predicts (streams decoding together, steptime.endpoint_decode_rate), and end to end (live_ab:
@@ -34,7 +37,8 @@ def measure_steps(target, drafter, prompt: list[int], endpoint: str | None, api_
         target_points = steptime.target_step_times(target, TOKENS)
         source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
     source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
-    times = costmodel.StepTimes(target=target_points, drafter=drafter_points)
+    times = costmodel.StepTimes(target=target_points, drafter=drafter_points,
+                                parallel=drafter.cfg.mask_token_id is not None)
     return times, {"source": source, "target_s": target_points, "drafter_s": drafter_points}
 
 
@@ -42,10 +46,28 @@ def predict(times: costmodel.StepTimes, per_k: dict[int, dict], eagle_model: str
     """The recommendation, the exact --speculative-config for its K, and the decision line."""
     rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()})
     k = rec["best"][0]["k"]
-    rec["speculative_config"] = costmodel.speculative_config(eagle_model, k)
+    rec["speculative_config"] = costmodel.speculative_config(eagle_model, k, times.parallel)
     rec["decision"] = costmodel.decision(rec)
     rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
     return rec
+
+
+def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]) -> dict:
+    """drafters: [{"method", "drafter" (URI), "tau_per_k" (K → τ), "drafter_s" (its step times), "parallel"}] →
+    per drafter its best K and speed-up at each concurrency (this engine's target step times, its own draft cost),
+    and per concurrency the drafter predicted fastest."""
+    rows = []
+    for d in drafters:
+        times = costmodel.StepTimes(target=target_points, drafter=d["drafter_s"], parallel=d["parallel"])
+        rec = costmodel.recommend(times, {int(k): t for k, t in d["tau_per_k"].items()})
+        rows.append({"method": d["method"], "drafter": d["drafter"], "best": rec["best"]})
+    choice = []
+    for i, c in enumerate(costmodel.CONCURRENCIES):
+        top = max(rows, key=lambda r: r["best"][i]["speedup"])
+        best = top["best"][i]
+        choice.append({"concurrency": c, "method": top["method"], "drafter": top["drafter"], "k": best["k"],
+                       "speedup": best["speedup"]})
+    return {"methods": rows, "choice": choice}
 
 
 def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_endpoint: str,

@@ -54,5 +54,9 @@ class Spec(StageSpec):
     spec_endpoint: names("endpoint") | None = Field(
         None, description="vLLM serving the target with this drafter (live A/B; EYAS_ALLOWED_ENDPOINTS)")
     concurrency: int = Field(1, ge=1, le=256, description="concurrent requests in the live A/B")
+    compare_with: list[names("artifact")] = Field(
+        [], max_length=8, description="reports (artifact URIs) of other drafters' evaluations for the same target, "
+        "e.g. EAGLE-3 beside P-EAGLE: the serving section predicts each one's speed-up per concurrency from its τ(K) "
+        "and draft cost under this engine's step times, and names the fastest at each")
     dtype: DTypeName = Field("auto", description="target and drafter dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 "
                              "on the CPU)")

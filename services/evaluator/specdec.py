@@ -101,7 +101,7 @@ def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
     tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))  # [1, 1]
     out = [int(tok)]
     for j in range(1, k):
-        hidden = drafter.step(tok, hidden, pos[:, -1:] + j, cache)
+        hidden = drafter.step(*drafter.feed(tok, hidden), pos[:, -1:] + j, cache)
         tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
         out.append(int(tok))
     return out, past

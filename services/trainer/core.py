@@ -91,7 +91,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
 
     writer = ArtifactWriter(ctx.output)
     with tempfile.TemporaryDirectory(prefix="eyas-drafter-") as tmp:
-        cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.norm_flags())
+        cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.architecture())
         written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier, spec.ttt_steps)
         for rel in written:
             writer.put_file(rel.as_posix(), Path(tmp) / rel)
@@ -106,7 +106,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         extra={"compute": {"device": state["info"]["device"], "processes": state["info"]["processes"],
                            "dtype": spec.dtype}},
         drafter=DrafterFacts(target=target, ttt_steps=spec.ttt_steps, val_every=spec.val_every,
-                             draft_vocab_size=spec.draft_vocab_size, unsupported_engines=unsupported,
+                             draft_vocab_size=spec.draft_vocab_size, method=spec.method,
+                             unsupported_engines=unsupported,
                              chat_template_kwargs=reader.chat_template_kwargs),
     ))
     ctx.output.store.delete_prefix(ctx.output.key(CHECKPOINTS))

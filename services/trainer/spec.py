@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -35,6 +35,10 @@ _ONE_FC_NORM = {"not": {"required": ["norm_before_fc", "fc_norm"],
 class Spec(StageSpec):
     model_config = ConfigDict(json_schema_extra=_ONE_FC_NORM)
 
+    method: Literal["eagle3", "peagle"] = Field(
+        "eagle3", description="eagle3: a chain, one drafter step per drafted token; peagle: P-EAGLE, the same drafter "
+        "fed a learned mask state after its first step, so vLLM drafts all ttt_steps tokens in one forward "
+        "(served with \"parallel_drafting\": true); both train on the same features")
     features: names("artifact") = Field(
         description="features artifact URI (s3://bucket/features/ID) or local directory")
     target: names("target", exact=(BUNDLED,)) | None = Field(
@@ -85,9 +89,10 @@ class Spec(StageSpec):
         check_norm_flags(self.norm_before_fc, self.fc_norm)
         return self
 
-    def norm_flags(self) -> dict[str, bool]:
-        """EAGLE 3.1's flags, as the drafter's config takes them."""
-        return {k: getattr(self, k) for k in NORM_FLAGS}
+    def architecture(self) -> dict[str, bool]:
+        """The drafter's shape beyond the target's: EAGLE 3.1's flags and P-EAGLE's parallel slots, as
+        DrafterConfig.from_target takes them."""
+        return {**{k: getattr(self, k) for k in NORM_FLAGS}, "parallel": self.method == "peagle"}
 
 
 def resolve(spec: Spec, settings: Settings) -> Spec:

@@ -123,19 +123,20 @@ def training_fields(spec: Spec) -> dict[str, Any]:
     return {k: v for k, v in spec.model_dump(mode="json").items() if k not in RESUME_MAY_CHANGE}
 
 
-def drafter_config(target: str, draft_vocab_size: int, layout: Layout, **norms: bool) -> DrafterConfig:
-    """The drafter for `target`, concatenating as many aux layers as the features' layout names."""
+def drafter_config(target: str, draft_vocab_size: int, layout: Layout, **architecture: bool) -> DrafterConfig:
+    """The drafter for `target`, concatenating as many aux layers as the features' layout names; `architecture`,
+    the spec's (Spec.architecture)."""
     from transformers import AutoConfig
 
     return DrafterConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)), draft_vocab_size,
-                                     num_aux=len(layout.aux_layers), **norms)
+                                     num_aux=len(layout.aux_layers), **architecture)
 
 
 def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: torch.Tensor,
-                  used: torch.Tensor, **norms: bool) -> Drafter:
+                  used: torch.Tensor, **architecture: bool) -> Drafter:
     """A fresh drafter: the target's frozen embedding, the draft vocabulary, PyTorch's default init elsewhere
-    (seeded by the caller), as EAGLE and SpecForge start; `norms`, EAGLE 3.1's flags."""
-    drafter = Drafter(drafter_config(target, draft_vocab_size, layout, **norms))
+    (seeded by the caller), as EAGLE and SpecForge start; `architecture`, the spec's (Spec.architecture)."""
+    drafter = Drafter(drafter_config(target, draft_vocab_size, layout, **architecture))
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed)
         drafter.set_vocab(used)
@@ -170,7 +171,7 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     embed, head = load_target_head(target)
     used = select_vocab(data.counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
-    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.norm_flags())
+    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.architecture())
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
