@@ -30,12 +30,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from eyas.dflash import DFlashDrafter, load_dflash
 from eyas.drafter import NORM_FLAGS, Drafter, DrafterConfig
 from eyas.layout import Layout, LayoutMismatch, check_serving
 from eyas.target import hub_id
 
-EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"
-EXPORT_DIRS = (EAGLE_DIR, SPECULATORS_DIR)
+EAGLE_DIR, SPECULATORS_DIR, DFLASH_DIR = "eagle", "speculators", "dflash"
+EXPORT_DIRS = (EAGLE_DIR, SPECULATORS_DIR, DFLASH_DIR)
+# method → the export vLLM is given (DFlash's is its own model, eyas.dflash)
+SERVED_DIRS = {"eagle3": EAGLE_DIR, "peagle": EAGLE_DIR, "dflash": DFLASH_DIR}
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 HISTORY = "history.json"
 # Drafter module prefix → speculators tensor prefix (the one decoder layer); every other name is the same in the
@@ -61,6 +64,14 @@ def drafter_name(name: str) -> str:
         if name.startswith(theirs):
             return ours + name[len(theirs):]
     return name
+
+
+def drafting_method(config: dict[str, Any]) -> str:
+    """The method an export's config.json was trained for: dflash (DFlashDraftModel), peagle (an EAGLE-3 config
+    with a mask_token_id: vLLM must draft it in parallel) or eagle3."""
+    if "DFlashDraftModel" in (config.get("architectures") or []):
+        return "dflash"
+    return "peagle" if config.get("mask_token_id") is not None else "eagle3"
 
 
 def eagle_config(cfg: DrafterConfig, layout: Layout, dtype: str) -> dict[str, Any]:
@@ -223,7 +234,8 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
 
 
 def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 overrides: dict[str, Any] | None = None, missing_vocab_map: bool = False) -> tuple[Drafter, dict]:
+                 overrides: dict[str, Any] | None = None, missing_vocab_map: bool = False,
+                 lm_head_weight: torch.Tensor | None = None) -> tuple[Drafter | DFlashDrafter, dict]:
     """THE checkpoint loader: an export directory (config.json + model.safetensors, EAGLE layout or speculators
     format) → (Drafter in eval mode, in `dtype`, on the device of `embed_weight`; its config.json).
 
@@ -231,11 +243,16 @@ def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = to
     number of aux layers is read from fc's width ([H, n_aux·H_t]), so a drafter trained on any count loads.
     `overrides` replace config fields (e.g. a norm flag the weights show but the config lacks); with
     `missing_vocab_map`, a checkpoint without d2t/t2d loads with the identity mapping an engine falls back to (the
-    diagnosis of such a drafter), where it is otherwise refused.
+    diagnosis of such a drafter), where it is otherwise refused. A DFlash export (eyas.dflash) loads as a
+    DFlashDrafter, which drafts with the target's lm_head: `lm_head_weight` [V, H].
     """
     from safetensors.torch import load_file
 
     cfg_json = json.loads((Path(path) / CONFIG).read_text())
+    if drafting_method(cfg_json) == "dflash":
+        if lm_head_weight is None:
+            raise ValueError(f"{path}: a DFlash drafter drafts with the target's lm_head: give lm_head_weight")
+        return load_dflash(path, embed_weight, lm_head_weight, dtype), cfg_json
     flat = cfg_json.get("transformer_layer_config") or cfg_json  # speculators nests the layer config
     flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", "mask_token_id", *NORM_FLAGS)
                        if k in cfg_json},

@@ -123,13 +123,15 @@ def vllm_capture_layers(draft_config: dict[str, Any], num_layers: int) -> list[i
     """Physical out(i) layers vLLM concatenates for this draft config (ids are in(k) = out(k-1); id 0 = embedding,
     returned as EMBED = -1).
 
-    Mirrors vLLM's `_get_eagle3_aux_layers_from_config`: non-empty top-level ids, else `eagle_config`'s, else the
-    per-architecture default (2, L//2, L-3). The target appends a state when its loop index is in the id set, so
-    vLLM concatenates in ascending layer order, once per layer, and never captures an id above L.
+    Mirrors vLLM's `_get_eagle3_aux_layers_from_config`: non-empty top-level ids, else `eagle_config`'s, else a
+    DFlash config's `dflash_config.target_layer_ids` (out(t) numbering: vLLM adds 1), else the per-architecture
+    default (2, L//2, L-3). The target appends a state when its loop index is in the id set, so vLLM concatenates
+    in ascending layer order, once per layer, and never captures an id above L.
     """
     cfg = vllm_view(draft_config)
+    dflash = [int(t) + 1 for t in (cfg.get("dflash_config") or {}).get("target_layer_ids") or []]
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
+        "eagle_aux_hidden_state_layer_ids") or dflash or [2, num_layers // 2, num_layers - 3]
     return sorted({int(k) - 1 for k in ids if 0 <= int(k) <= num_layers})
 
 

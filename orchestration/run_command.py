@@ -24,7 +24,7 @@ from eyas.target import BUNDLED
 if TYPE_CHECKING:
     from orchestration.budget import FeaturesPolicy
 
-METHODS = ("eagle3", "peagle")  # the trainer's (services.trainer.spec.Spec.method)
+METHODS = ("eagle3", "peagle", "dflash")  # the trainer's (services.trainer.spec.Spec.method)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,10 +57,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "filesystem)")
     p.add_argument("--method", choices=(*METHODS, "auto"), default="eagle3",
                    help="the drafter: eagle3 (a chain, one drafter step per draft token), peagle (P-EAGLE: all draft "
-                   "tokens in one drafter forward; vLLM's parallel_drafting), or auto: both on the same features, "
-                   "each with half the training and evaluation time, and the one predicted faster at --concurrency "
-                   "named at the end (one, eagle3, when the features are streamed: they feed one trainer) "
-                   "(default: %(default)s)")
+                   "tokens in one drafter forward; vLLM's parallel_drafting), dflash (a block drafted in one "
+                   "forward of a small decoder stack), or auto: all three on the same features, each with its share "
+                   "of the training and evaluation time, and the one predicted fastest at --concurrency named at the "
+                   "end (eagle3 only when the features are streamed: they feed one trainer) (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="the serving concurrency --method auto chooses for (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
@@ -257,7 +257,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     for name, uri in sorted(report.artifacts.items()):
         print(f"  {name}: {uri}")
     for trained in drafters:
-        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (vLLM/SGLang: eagle; speculators):")
+        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (README: \"Serve the drafter\"):")
         for name, uri in sorted(trained.artifacts.items()):
             if name != "output":
                 print(f"  {name}: {uri}")

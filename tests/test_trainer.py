@@ -398,6 +398,15 @@ def test_features_of_another_target_are_refused(emb, features, tmp_path):
         core.run(spec, context(emb, "trn-foreign"))
 
 
+def test_features_of_other_target_layers_are_refused_by_name(emb, features):
+    """A spec that names the layers its drafter reads (aux_layers, e.g. DFlash's spread) refuses features that
+    captured others, saying which and how to extract them."""
+    spec = core.Spec(features=features, steps=1, method="dflash", aux_layers=[1, 14, 27], **SMALL)
+    with pytest.raises(LayoutMismatch, match=r"aux_layers: the spec asks for out\(1, 14, 27\).*captured "
+                                             r"out\(1, 14, 26\): extract with aux_layers \[1, 14, 27\]"):
+        core.run(spec, context(emb, "trn-layers"))
+
+
 def _tampered_copy(features: str, dest: Path, tamper, rehash: bool) -> str:
     """A copy of a features artifact whose first shard went through `tamper(path)`; with rehash the manifest is
     made to agree with the new bytes (a buggy writer), without it the manifest still has the original hash."""
@@ -432,12 +441,16 @@ def test_bad_features_fail_the_job_by_name_and_commit_nothing(emb, features, tmp
     assert not out.exists("manifest.json")  # no drafter a later stage could pick up
 
 
-def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
-    spec = core.Spec(features=features, steps=4, checkpoint_every=2, val_interval=2, **SMALL)
-    straight = context(emb, "trn-straight")
+@pytest.mark.parametrize("method, exports", [("eagle3", ("eagle/model.safetensors", "speculators/model.safetensors")),
+                                             ("dflash", ("dflash/model.safetensors",))])
+def test_interrupted_run_resumes_with_the_same_next_losses(emb, features, method, exports):
+    """For DFlash too: its random anchors are drawn from (seed, step, rank), so a resumed run draws the ones the
+    uninterrupted run drew."""
+    spec = core.Spec(features=features, steps=4, checkpoint_every=2, val_interval=2, method=method, **SMALL)
+    straight = context(emb, f"trn-straight-{method}")
     core.run(spec, straight)
 
-    crashed = context(emb, "trn-crashed", crash_at=3)
+    crashed = context(emb, f"trn-crashed-{method}", crash_at=3)
     with pytest.raises(Crash):
         core.run(spec, crashed)
     latest = json.loads(crashed.output.get_bytes("checkpoints/latest.json"))
@@ -445,7 +458,7 @@ def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
     # Another spec must not continue this checkpoint.
     changed = spec.model_copy(update={"lr": 5e-4, "resume": crashed.output.uri})
     with pytest.raises(ValueError, match="lr"):
-        core.run(changed, context(emb, "trn-changed"))
+        core.run(changed, context(emb, f"trn-changed-{method}"))
 
     crashed.crash_at = None
     core.run(spec, crashed)  # the redelivered task: resume="auto" continues from its own checkpoint
@@ -453,7 +466,7 @@ def test_interrupted_run_resumes_with_the_same_next_losses(emb, features):
     assert [e["loss"] for e in a["train"]] == [e["loss"] for e in b["train"]]
     assert [e["acc"] for e in a["train"]] == [e["acc"] for e in b["train"]]
     assert a["val"] == b["val"] and [e["step"] for e in a["val"]] == [0, 2, 4]
-    for name in ("eagle/model.safetensors", "speculators/model.safetensors"):
+    for name in exports:
         assert straight.output.get_bytes(name) == crashed.output.get_bytes(name)
 
 

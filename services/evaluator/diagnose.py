@@ -43,6 +43,7 @@ from eyas.exports import (
     HISTORY,
     WEIGHTS,
     drafter_name,
+    drafting_method,
     load_drafter,
     speculators_name,
 )
@@ -138,6 +139,10 @@ def _fetch(spec: Spec, ctx: StageContext, local: Path, num_layers: int) -> Expor
     trained_kwargs, accuracy = None, None
     if art.exists("manifest.json"):
         manifest = read_manifest(art, kind="drafter")
+        if manifest.drafter is not None and manifest.drafter.method == "dflash":
+            raise ValueError(f"drafter {spec.drafter} is a DFlash drafter: diagnose tries EAGLE-3's wirings (aux "
+                             "layers, order, vocabulary map, norms); evaluate it instead (its wiring check covers "
+                             "DFlash's target layers)")
         for name in manifest.files:
             if name.startswith(f"{EAGLE_DIR}/") or name == HISTORY:
                 (local / name).parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +162,9 @@ def _fetch(spec: Spec, ctx: StageContext, local: Path, num_layers: int) -> Expor
                                  "model.safetensors)")
             (path / name).write_bytes(art.get_bytes(name))
     config = json.loads((path / CONFIG).read_text())
+    if drafting_method(config) == "dflash":
+        raise ValueError(f"drafter {spec.drafter}: a DFlash export (DFlashDraftModel); diagnose tries EAGLE-3's "
+                         "wirings: evaluate it instead")
     return Exported(path, config, num_layers, _config_aux(config, num_layers), trained_kwargs, accuracy)
 
 
@@ -318,7 +326,7 @@ def _served(spec: Spec, ctx: StageContext, exported: Exported, prompts: list[Pro
     elif spec.serve:
         if not ctx.settings.vllm_command:
             raise ValueError("serve=true needs EYAS_VLLM_COMMAND (the command that starts vLLM's OpenAI server)")
-        config = costmodel.speculative_config(str(exported.path), spec.k, "mask_token_id" in exported.config)
+        config = costmodel.speculative_config(str(exported.path), spec.k, drafting_method(exported.config))
         stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), json.loads(config))
     else:
         return None

@@ -26,9 +26,10 @@ LIVE_CONCURRENCIES = (1, 4)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def measure_steps(target, drafter, prompt: list[int], endpoint: str | None, api_key: str | None) -> tuple[
-        costmodel.StepTimes, dict]:
-    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process."""
+def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str | None,
+                  api_key: str | None) -> tuple[costmodel.StepTimes, dict]:
+    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process; `method`,
+    the drafter's (a parallel drafter drafts K tokens in one forward)."""
     drafter_points = steptime.drafter_step_times(drafter)
     if endpoint:
         target_points = steptime.endpoint_step_times(endpoint, prompt, api_key=api_key)
@@ -37,16 +38,16 @@ def measure_steps(target, drafter, prompt: list[int], endpoint: str | None, api_
         target_points = steptime.target_step_times(target, TOKENS)
         source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
     source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
-    times = costmodel.StepTimes(target=target_points, drafter=drafter_points,
-                                parallel=drafter.cfg.mask_token_id is not None)
+    times = costmodel.StepTimes(target=target_points, drafter=drafter_points, parallel=method != "eagle3")
     return times, {"source": source, "target_s": target_points, "drafter_s": drafter_points}
 
 
-def predict(times: costmodel.StepTimes, per_k: dict[int, dict], eagle_model: str) -> dict:
-    """The recommendation, the exact --speculative-config for its K, and the decision line."""
+def predict(times: costmodel.StepTimes, per_k: dict[int, dict], model: str, method: str) -> dict:
+    """The recommendation, the exact --speculative-config for its K (model: where the server reads the export),
+    and the decision line."""
     rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()})
     k = rec["best"][0]["k"]
-    rec["speculative_config"] = costmodel.speculative_config(eagle_model, k, times.parallel)
+    rec["speculative_config"] = costmodel.speculative_config(model, k, method)
     rec["decision"] = costmodel.decision(rec)
     rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
     return rec

@@ -26,6 +26,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from eyas.capture import gather, hooks
 from eyas.decoding import grouped_sdpa, growing_cache
+from eyas.dflash import DFlashDrafter, block_drafts
 from eyas.drafter import Drafter, TTTCache
 from eyas.prompts import load_eval_prompts
 from eyas.render import render_prompt
@@ -135,11 +136,17 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
         preds, aux = forward(prompt)
         context = prompt + [int(preds[-1])]
         _extend(res.tokens, context[-1:], stop, max_new_tokens)
-        h0 = drafter.project(aux[None])  # fc(g) of every row the target has processed, [1, n-1, H]
+        block = isinstance(drafter, DFlashDrafter)  # drafts from the aux states themselves, a block per forward
+        # fc(g) of every row the target has processed, [1, n-1, H] (DFlash: g itself, [1, n-1, n_aux·H_t])
+        h0 = aux[None] if block else drafter.project(aux[None])
         past = None  # the drafter's step-0 keys/values so far
         while not _finished(res.tokens, stop, max_new_tokens):
             check()
-            drafts, past = _draft(drafter, h0, context, k, past)
+            if block:  # the last token is the bonus, the rows before it the context (eyas.dflash.block_drafts)
+                drafts = block_drafts(drafter, torch.tensor([context], device=on), h0,
+                                      torch.tensor([len(context) - 1]), k)[0].tolist()
+            else:
+                drafts, past = _draft(drafter, h0, context, k, past)
             preds, aux = forward(context[-1:] + drafts)
             a = 0
             while a < k and drafts[a] == int(preds[a]):
@@ -150,7 +157,7 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
             emitted = drafts[:a] + [int(preds[a])]
             if a < k:
                 cache.crop(-(k - a))  # keep x_{n-1} and the accepted drafts
-            h0 = torch.cat([h0, drafter.project(aux[None, : a + 1])], dim=1)
+            h0 = torch.cat([h0, aux[None, : a + 1] if block else drafter.project(aux[None, : a + 1])], dim=1)
             context += emitted
             _extend(res.tokens, emitted, stop, max_new_tokens)
     res.seconds = time.perf_counter() - t0

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import httpx
 import torch
 
+from eyas.dflash import DFlashDrafter
 from eyas.drafter import Drafter, TTTCache
 from eyas.target import Target
 from services.evaluator.live import _headers, served_model
@@ -131,6 +132,26 @@ def _draft_step(drafter: Drafter, tok: torch.Tensor, hidden: torch.Tensor, pos: 
     del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
 
 
+def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...]) -> list[tuple[int, float]]:
+    """One DFlash round at batch b: a block's worth of new context states (the engine caches the older ones) and
+    the block of [bonus token, masks], to the draft token ids."""
+    cfg = drafter.cfg
+    on, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    drafts = cfg.block_size - 1
+    out = []
+    with _one_thread_on_cpu(on):
+        for b in batches:
+            aux = torch.randn(b, cfg.block_size, cfg.num_aux * cfg.target_hidden_size, device=on, dtype=dtype)
+            anchors = torch.full((b, 1), cfg.block_size, device=on)
+            tokens = torch.randint(cfg.vocab_size, (b, 1), device=on)
+            out.append((b * drafts, _best_of(_block_step, drafter, aux, anchors, tokens)))
+    return out
+
+
+def _block_step(drafter: DFlashDrafter, aux, anchors, tokens) -> None:
+    drafter.logits(drafter.blocks(aux, anchors, tokens)[:, :, 1:]).argmax(-1)
+
+
 @torch.inference_mode()
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
                       context: int = CONTEXT) -> list[tuple[int, float]]:
@@ -156,10 +177,13 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
 
 
 @torch.inference_mode()
-def drafter_step_times(drafter: Drafter, batches: tuple[int, ...] = BATCHES,
+def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...] = BATCHES,
                        context: int = CONTEXT) -> list[tuple[int, float]]:
     """(b, seconds of one draft step at batch b): a token per sequence, attending to `context` step-0 keys, to the
-    draft token id (specdec._draft's loop body, batched)."""
+    draft token id (specdec._draft's loop body, batched). DFlash drafts a block per forward: its points are
+    (b · (block − 1) tokens drafted, seconds of one block forward at batch b)."""
+    if isinstance(drafter, DFlashDrafter):
+        return _block_step_times(drafter, batches)
     on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
     out = []
     with _one_thread_on_cpu(on):

@@ -23,7 +23,7 @@ from eyas.target import Target
 
 ENGINES = ("vllm", "sglang")
 # Which export each engine loads: (engine, export dir name). SGLang loads only the EAGLE/SpecForge layout.
-_SERVED = (("vllm", "eagle"), ("vllm", "speculators"), ("sglang", "eagle"))
+_SERVED = (("vllm", "eagle"), ("vllm", "speculators"), ("sglang", "eagle"), ("vllm", "dflash"))
 
 
 class WiringMismatch(LayoutMismatch):
@@ -77,5 +77,5 @@ def check_wiring(layout: Layout, drafter_dir: Path, target: Target | None = None
         if engine in engines and (drafter_dir / name / "config.json").is_file():
             served[f"{engine}:{name}"] = describe(check_export_wiring(layout, drafter_dir / name, engine))
     if not served:
-        raise WiringMismatch(f"{drafter_dir}: no eagle/ or speculators/ export to check")
+        raise WiringMismatch(f"{drafter_dir}: no eagle/, speculators/ or dflash/ export to check")
     return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True}

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from eyas.dflash import DFlashDrafter
 from eyas.drafter import Drafter
 from eyas.features import Sample, ShardBuffer, shard_samples
 from eyas.settings import Settings
@@ -55,10 +56,11 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensors:
     torch.set_rng_state(tensors["rng.torch"])
 
 
-def save_checkpoint(output: Artifact, step: int, drafter: Drafter, optimizer, names: list[str],
+def save_checkpoint(output: Artifact, step: int, drafter: Drafter | DFlashDrafter, optimizer, names: list[str],
                     position: DataPosition, history: dict, fields: dict[str, Any], info: dict[str, Any]) -> None:
     prefix = f"{CHECKPOINTS}/step-{step:08d}"
-    weights = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
+    # cloned: a DFlash drafter's tied k_norm is one tensor under several names, which safetensors refuses
+    weights = {k: v.detach().cpu().clone().contiguous() for k, v in drafter.trainable_state_dict().items()}
     output.put_bytes(f"{prefix}/model.safetensors", save_safetensors(weights))
     output.put_bytes(f"{prefix}/optimizer.safetensors", save_safetensors(_optimizer_tensors(optimizer, names)))
     state = {"step": step, "data": {"epoch": position.epoch, "index": position.index}, "history": history,
@@ -97,7 +99,7 @@ def resume_source(spec: Spec, output: Artifact, settings: Settings) -> Artifact 
     return source
 
 
-def restore(source: Artifact, drafter: Drafter, optimizer: torch.optim.Optimizer, names: list[str],
+def restore(source: Artifact, drafter: Drafter | DFlashDrafter, optimizer: torch.optim.Optimizer, names: list[str],
             fields: dict[str, Any]) -> tuple[int, DataPosition, dict]:
     """Load `source`'s latest checkpoint into the drafter and optimizer; returns (step, data position, history).
     Refuses a checkpoint trained with other settings (`fields`: the spec fields that shape training)."""
@@ -106,7 +108,7 @@ def restore(source: Artifact, drafter: Drafter, optimizer: torch.optim.Optimizer
         changed = sorted(k for k in set(fields) | set(state["spec"]) if fields.get(k) != state["spec"].get(k))
         raise ValueError(f"resume from {source.uri}: the checkpoint was trained with other settings ({changed})")
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    if unexpected or any(not k.startswith("embed_tokens.") for k in missing):
+    if unexpected or set(missing) & set(drafter.trainable_state_dict()):  # the target's tensors are not saved
         raise ValueError(f"checkpoint {source.uri}: missing {missing}, unexpected {unexpected}")
     _load_optimizer(optimizer, names, opt_tensors)
     return state["step"], DataPosition(**state["data"]), state["history"]

@@ -1,10 +1,11 @@
-"""Trainer stage: features → EAGLE-3 drafter (TTT training) → exports vLLM, SGLang and speculators load.
+"""Trainer stage: features → drafter (EAGLE-3 or P-EAGLE by TTT training, or DFlash) → exports the engines load.
 
 The drafter artifact (drafters/{job_id}/):
   manifest.json   kind "drafter", layout = the features' layout, inputs = [features URI], metrics, and
                   drafter = {target, ttt_steps, val_every, draft_vocab_size, unsupported_engines}
   eagle/          config.json + model.safetensors, EAGLE/SpecForge layout (eyas.exports)
   speculators/    config.json + model.safetensors, speculators format
+  dflash/         instead of both for method "dflash": vLLM's DFlashDraftModel (eyas.dflash)
   history.json    {"train": [{step, loss, acc[k], lr, tokens_per_s}], "val": [{step, loss, acc[k]}]}
 Training runs in this process, or under torchrun when `processes` > 1 (DDP over the node's GPUs, by default all
 of them; the parent relays progress and cancellation). Across nodes, torchrun's rendezvous runs the same training
@@ -20,7 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eyas.exports import HISTORY, export_drafter, speculators_verifier
+import torch
+
+from eyas.dflash import export_dflash
+from eyas.exports import DFLASH_DIR, HISTORY, export_drafter, speculators_verifier
+from eyas.layout import Layout
 from eyas.handoff import FINISHED, abort
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest
 from eyas.ranks import run_ranks
@@ -28,10 +33,12 @@ from eyas.stage import StageContext, StageResult
 from eyas.target import load_target_head, resolve_target
 from services.trainer.checkpoint import CHECKPOINTS, load_checkpoint
 from services.trainer.spec import Spec, open_features, resolve
-from services.trainer.train import PROGRESS_TAG, drafter_config, train
+from services.trainer.train import PROGRESS_TAG, build_dflash, drafter_config, train
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "features"
+# why SGLang is listed as unable to serve a DFlash export (the drafter's manifest says it)
+DFLASH_SGLANG = "the export is vLLM's DFlashDraftModel; Eyas has not checked SGLang's DFlash loader against it"
 
 def _train_distributed(spec: Spec, ctx: StageContext) -> None:
     """torchrun with `processes` ranks; rank 0's progress lines become this job's progress. A cancel (raised by
@@ -64,6 +71,17 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
     return metrics
 
 
+def _export_dflash(spec: Spec, target: str, layout: Layout, weights: dict[str, torch.Tensor],
+                   out: Path) -> tuple[list[Path], dict[str, str]]:
+    """dflash/ (vLLM's DFlashDraftModel, eyas.dflash) for the trained weights; the engines that cannot serve it."""
+    embed, head = load_target_head(target)
+    drafter = build_dflash(target, spec, layout, embed, head)
+    restored = {k: v for k, v in weights.items() if k in drafter.trainable_state_dict()}
+    drafter.load_state_dict(restored, strict=False)
+    files = export_dflash(drafter, out / DFLASH_DIR, spec.dtype, layout.to_dict())
+    return [f.relative_to(out) for f in files], {"sglang": DFLASH_SGLANG}
+
+
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     spec = resolve(spec, ctx.settings)  # once: torchrun's ranks, the exports and the manifest see the same values
     reader, layout = open_features(spec, ctx.settings, ctx.stop)
@@ -91,8 +109,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
 
     writer = ArtifactWriter(ctx.output)
     with tempfile.TemporaryDirectory(prefix="eyas-drafter-") as tmp:
-        cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.architecture())
-        written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier, spec.ttt_steps)
+        if spec.method == "dflash":
+            written, unsupported = _export_dflash(spec, target, layout, weights, Path(tmp))
+        else:
+            cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.architecture())
+            written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier,
+                                                  spec.ttt_steps)
         for rel in written:
             writer.put_file(rel.as_posix(), Path(tmp) / rel)
     for engine, why in unsupported.items():

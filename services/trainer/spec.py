@@ -13,7 +13,7 @@ from eyas.confine import names
 from eyas.device import DTypeName, placement
 from eyas.drafter import NORM_FLAGS, check_norm_flags
 from eyas.features import FeatureReader
-from eyas.layout import Layout, check_layout
+from eyas.layout import Layout, LayoutMismatch, check_layout
 from eyas.settings import Settings
 from eyas.stage import UNIX_TIME_MAX, StageSpec
 from eyas.store import open_artifact
@@ -27,18 +27,34 @@ CPU_PRESET: dict[str, Any] = {"ttt_steps": 3, "draft_vocab_size": 4096, "lr": 3e
                               "warmup": 10, "epochs": 3.0}
 
 
-# The schema's statement of check_norm_flags (the API's schema states every rule submit applies): not both fc norms.
-_ONE_FC_NORM = {"not": {"required": ["norm_before_fc", "fc_norm"],
-                        "properties": {"norm_before_fc": {"const": True}, "fc_norm": {"const": True}}}}
+# The schema's statement of the rules the validator applies (the API's schema states every rule submit applies): not
+# both fc norms (check_norm_flags); no EAGLE 3.1 norm with DFlash; more than one draft layer only for DFlash (a
+# missing method is eagle3).
+_RULES = {"allOf": [
+    {"not": {"required": ["norm_before_fc", "fc_norm"],
+             "properties": {"norm_before_fc": {"const": True}, "fc_norm": {"const": True}}}},
+    *({"not": {"required": ["method", flag], "properties": {"method": {"const": "dflash"}, flag: {"const": True}}}}
+      for flag in NORM_FLAGS),
+    {"not": {"required": ["draft_layers"], "properties": {"method": {"not": {"const": "dflash"}},
+                                                          "draft_layers": {"type": "integer", "minimum": 2}}}},
+]}
 
 
 class Spec(StageSpec):
-    model_config = ConfigDict(json_schema_extra=_ONE_FC_NORM)
+    model_config = ConfigDict(json_schema_extra=_RULES)
 
-    method: Literal["eagle3", "peagle"] = Field(
+    method: Literal["eagle3", "peagle", "dflash"] = Field(
         "eagle3", description="eagle3: a chain, one drafter step per drafted token; peagle: P-EAGLE, the same drafter "
         "fed a learned mask state after its first step, so vLLM drafts all ttt_steps tokens in one forward "
-        "(served with \"parallel_drafting\": true); both train on the same features")
+        "(served with \"parallel_drafting\": true); dflash: a stack of draft_layers decoder layers that drafts a "
+        "block of ttt_steps tokens in one forward, conditioned on the features' target layers (vLLM's method "
+        "\"dflash\"); all three train on the same features")
+    draft_layers: int | None = Field(None, ge=1, le=32, description="DFlash's decoder layers (default 2); EAGLE-3 "
+                                     "and P-EAGLE have one")
+    aux_layers: list[int] | None = Field(
+        None, min_length=1, max_length=64, description="the target layers the drafter reads (out(i), ascending, "
+        "as the extract spec names them); default: the features'. Features that captured other layers are refused, "
+        "by name")
     features: names("artifact") = Field(
         description="features artifact URI (s3://bucket/features/ID) or local directory")
     target: names("target", exact=(BUNDLED,)) | None = Field(
@@ -87,6 +103,11 @@ class Spec(StageSpec):
     @model_validator(mode="after")
     def _one_fc_norm(self) -> Spec:
         check_norm_flags(self.norm_before_fc, self.fc_norm)
+        if self.method == "dflash" and any(getattr(self, k) for k in NORM_FLAGS):
+            raise ValueError(f"method=dflash: EAGLE 3.1's norms ({', '.join(NORM_FLAGS)}) are EAGLE-3's, not DFlash's")
+        if self.method != "dflash" and self.draft_layers not in (None, 1):
+            raise ValueError(f"draft_layers={self.draft_layers}: method={self.method} has one decoder layer "
+                             f"(draft_layers is DFlash's)")
         return self
 
     def architecture(self) -> dict[str, bool]:
@@ -116,4 +137,7 @@ def open_features(spec: Spec, settings: Settings, stop: threading.Event | None =
                   hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], aux_layers=layout.aux_layers,
                   dtype=layout.dtype)
     check_layout(here, layout, what=f"features {spec.features} for target {target!r}")
+    if spec.aux_layers is not None and tuple(spec.aux_layers) != layout.aux_layers:
+        raise LayoutMismatch(f"aux_layers: the spec asks for out{tuple(spec.aux_layers)}, features {spec.features} "
+                             f"captured out{layout.aux_layers}: extract with aux_layers {list(spec.aux_layers)}")
     return reader, layout

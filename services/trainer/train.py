@@ -30,14 +30,16 @@ from tqdm import tqdm
 from eyas.batching import collate, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import placement
+from eyas.dflash import DFlashConfig, DFlashDrafter, pick_mask_token
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
 from eyas.layout import Layout
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.streaming import FeatureStream
-from eyas.target import load_target_head, resolve_target
-from eyas.ttt import label_rows, target_top, ttt_forward
+from eyas.target import load_target_head, load_tokenizer, resolve_target
+from eyas.objective import objective
+from eyas.ttt import label_rows, target_top
 from services.trainer.checkpoint import (
     load_validation,
     restore,
@@ -55,6 +57,7 @@ BETAS = (0.9, 0.95)
 MAX_GRAD_NORM = 0.5
 WEIGHT_DECAY = 0.0
 LOSS_DECAY = 0.8  # weight 0.8^k of TTT step k (EAGLE, SpecForge)
+DFLASH_LAYERS = 2  # DFlash's decoder layers unless the spec says (the drafts of one forward need some depth)
 PROGRESS_TAG = "EYAS-TRAIN-PROGRESS "  # a rank-0 stdout line a parent process turns into job progress
 # Spec fields a resumed run may change; every other field must equal the checkpoint's.
 RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier",
@@ -93,18 +96,22 @@ def resized_total(total: int, fitted: int, step: int) -> int:
 
 
 class TTTObjective(nn.Module):
-    """The drafter plus its TTT loss as one module, so DDP wraps a plain forward. The target lm_head is a plain
-    attribute: frozen, never broadcast, never in a state dict."""
+    """The drafter plus its objective (eyas.objective: TTT, or DFlash's blocks) as one module, so DDP wraps a plain
+    forward. The target lm_head is a plain attribute: frozen, never broadcast, never in a state dict."""
 
-    def __init__(self, drafter: Drafter, target_lm_head: torch.Tensor, steps: int, recompute: bool = False):
+    def __init__(self, drafter: Drafter | DFlashDrafter, target_lm_head: torch.Tensor, steps: int,
+                 recompute: bool = False, seed: int = 0):
         super().__init__()
         self.drafter = drafter
         self.target_lm_head = target_lm_head
         self.steps = steps
         self.recompute = recompute  # activation checkpointing of the draft-vocabulary logits
+        self.seed = seed
 
-    def forward(self, batch):
-        return ttt_forward(self.drafter, batch, self.target_lm_head, self.steps, LOSS_DECAY, self.recompute)
+    def forward(self, batch, step: int = 0, rank: int = 0):
+        # DFlash's anchors: drawn from (seed, step, rank), so a resumed run draws what the uninterrupted one drew
+        generator = torch.Generator().manual_seed(hash((self.seed, step, rank)) & 0x7FFF_FFFF)
+        return objective(self.drafter, batch, self.target_lm_head, self.steps, LOSS_DECAY, self.recompute, generator)
 
 
 @dataclass
@@ -113,7 +120,7 @@ class TrainingSetup:
 
     layout: Layout
     data: TrainData  # the train samples (read through the bounded cache) and the validation samples
-    drafter: Drafter
+    drafter: Drafter | DFlashDrafter
     target_lm_head: torch.Tensor
     vocab_coverage: float
     total_steps: int
@@ -143,6 +150,21 @@ def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: tor
     return drafter
 
 
+def build_dflash(target: str, spec: Spec, layout: Layout, embed: torch.Tensor, head: torch.Tensor) -> DFlashDrafter:
+    """A fresh DFlash drafter (eyas.dflash): the spec's draft layers (default DFLASH_LAYERS), a block of ttt_steps
+    drafts after the bonus token, conditioned on the features' target layers; the target's embedding and lm_head,
+    frozen; the mask token one the tokenizer never produces from text."""
+    from transformers import AutoConfig
+
+    cfg = DFlashConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)),
+                                   num_layers=spec.draft_layers or DFLASH_LAYERS, block_size=spec.ttt_steps + 1,
+                                   target_layer_ids=layout.aux_layers,
+                                   mask_token_id=pick_mask_token(load_tokenizer(target)))
+    drafter = DFlashDrafter(cfg)
+    drafter.set_target_head(embed, head)
+    return drafter
+
+
 def _check_stream(spec: Spec, reader: FeatureReader) -> None:
     """A hand-off's windows must fit the trainer's cache twice over (the window read and the next)."""
     if reader.stream is not None and 2 * reader.stream.window_bytes > spec.cache_gb * (1 << 30):
@@ -169,13 +191,17 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
         raise ValueError(f"features {spec.features}: no training samples (val_every={spec.val_every})")
     target = spec.target or layout.target
     embed, head = load_target_head(target)
-    used = select_vocab(data.counts, spec.draft_vocab_size)
     torch.manual_seed(spec.seed)
-    drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.architecture())
+    if spec.method == "dflash":  # the target's whole vocabulary: it drafts with the target's lm_head
+        drafter, coverage_ = build_dflash(target, spec, layout, embed, head), 1.0
+    else:
+        used = select_vocab(data.counts, spec.draft_vocab_size)
+        drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.architecture())
+        coverage_ = coverage(data.counts, used)
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
-                         vocab_coverage=coverage(data.counts, used), total_steps=total)
+                         vocab_coverage=coverage_, total_steps=total)
 
 
 class TargetTopCache:
@@ -235,8 +261,9 @@ def validate(spec: Spec, setup: TrainingSetup, tops: TargetTopCache, device) -> 
     stats = torch.zeros(2 + 3 * K, dtype=torch.float64)  # objective, denom, ce[K], correct[K], count[K]
     setup.drafter.eval()
     for indices in plan[rank::world]:
-        with _autocast(spec, device):
-            r = ttt_forward(setup.drafter, tops.batch(indices, device), setup.target_lm_head, K, LOSS_DECAY)
+        with _autocast(spec, device):  # DFlash's anchors: the same for every validation (a fixed seed)
+            r = objective(setup.drafter, tops.batch(indices, device), setup.target_lm_head, K, LOSS_DECAY,
+                          generator=torch.Generator().manual_seed(indices[0]))
         stats += torch.cat([r.objective.reshape(1), r.denom.reshape(1), r.ce_sum, r.correct, r.count]).double().cpu()
     setup.drafter.train()
     stats = _all_sum(stats)
@@ -283,7 +310,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         v0 = time.perf_counter()
         history["val"].append({"step": 0, **validate(spec, setup, tops_val, device)})
         val_s = time.perf_counter() - v0
-    model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing)
+    model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     windows = data.windows(spec.seed)
@@ -316,7 +343,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         for group in optimizer.param_groups:
             group["lr"] = lr
         with _autocast(spec, device):
-            r = model(batch)
+            r = model(batch, step, rank)
         weight = 1.0 if real else 0.0
         stats = torch.cat([r.objective.detach().reshape(1), r.denom.reshape(1), r.ce_sum, r.correct, r.count,
                            torch.tensor([float(batch.num_tokens)], device=r.count.device)]).double() * weight
