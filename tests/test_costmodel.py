@@ -114,8 +114,10 @@ def test_a_parallel_drafter_pays_one_forward_for_k_drafts_and_the_comparison_pic
     assert chain.draft_s(1, 3) == pytest.approx(0.012) and parallel.draft_s(1, 3) == pytest.approx(0.004)
     assert parallel.draft_s(1, 7) == parallel.draft_s(1, 1)
     assert parallel.spec_step(4, 3) == pytest.approx(0.010 + 0.004)
-    assert json.loads(speculative_config("DIR", 3, parallel=True))["parallel_drafting"] is True
+    assert json.loads(speculative_config("DIR", 3, "peagle"))["parallel_drafting"] is True
     assert "parallel_drafting" not in json.loads(speculative_config("DIR", 3))
+    assert json.loads(speculative_config("DIR", 7, "dflash")) == {"method": "dflash", "model": "DIR",
+                                                                 "num_speculative_tokens": 7}
     lower = {k: t - 0.1 for k, t in GOOD.items()}  # P-EAGLE accepts a little less
     out = compare_methods(ENGINE.target, [
         {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": slow_drafter, "parallel": False},

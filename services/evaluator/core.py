@@ -39,12 +39,12 @@ from eyas.exports import EXPORT_DIRS, HISTORY, SERVED_DIRS, load_drafter
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest, fetch_verified, read_manifest
+from eyas.objective import objective
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
-from eyas.objective import objective
 from services.evaluator import costmodel, launch, serving, steptime
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, drafted_ks, run_lengths

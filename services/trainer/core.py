@@ -25,8 +25,8 @@ import torch
 
 from eyas.dflash import export_dflash
 from eyas.exports import DFLASH_DIR, HISTORY, export_drafter, speculators_verifier
-from eyas.layout import Layout
 from eyas.handoff import FINISHED, abort
+from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest
 from eyas.ranks import run_ranks
 from eyas.stage import StageContext, StageResult

@@ -34,11 +34,11 @@ from eyas.dflash import DFlashConfig, DFlashDrafter, pick_mask_token
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
 from eyas.layout import Layout
+from eyas.objective import objective
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import load_target_head, load_tokenizer, resolve_target
-from eyas.objective import objective
 from eyas.ttt import label_rows, target_top
 from services.trainer.checkpoint import (
     load_validation,
