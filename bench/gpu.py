@@ -22,6 +22,11 @@ The line (stdout; progress goes to stderr):
             and of vLLM's plain prefill on extract's batches, their ratio, the capture's against extract's
             capture_tok_s (capture_vs_transformers), engine start times; {"skipped": why} without a vLLM
             environment, {"error": …} (vLLM's log on stderr) where it failed
+  draft_step  seconds to draft K = 1 … 7 tokens for a batch of sequences after a cached context, per method, with
+            random weights at the target's shapes: eagle3 K chained drafter steps; peagle one causal forward over
+            K slots (vLLM's parallel drafting); dflash one forward of a block of K + 1 (DFLASH_LAYERS layers, over
+            the block's worth of new context states the engine adds per round): the parallel drafters' cost should
+            stay flat in K while the chain's grows
   peak_memory_gib   the device's peak allocated memory (the process's peak RSS on a CPU), this process only
 """
 from __future__ import annotations
@@ -43,7 +48,8 @@ from mfu import peak_flops, train_flops
 
 from eyas.capture import capture
 from eyas.device import placement
-from eyas.drafter import Drafter, DrafterConfig
+from eyas.dflash import DFlashConfig, DFlashDrafter
+from eyas.drafter import Drafter, DrafterConfig, TTTCache
 from eyas.features import Sample
 from eyas.layout import Layout, default_aux_layers
 from eyas.settings import get_settings
@@ -51,7 +57,7 @@ from eyas.target import Target
 from services.evaluator.specdec import PromptIds, measure_acceptance
 from services.extractor.offload import Background, Ready, to_host
 from services.trainer.data import epoch_plan
-from services.trainer.train import BETAS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
+from services.trainer.train import BETAS, DFLASH_LAYERS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
 from services.trainer.vocab import select_vocab, token_counts
 
 LLAMA_31_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -71,6 +77,7 @@ TINY = {**LLAMA_31_8B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size
 # (where bf16 matmuls are slow)
 SIZES = {"full": (4, 2048, 8, 40, 7, 32000, 3, 64, 48), "tiny": (2, 64, 3, 4, 3, 256, 2, 16, 8)}
 K, WARMUP_STEPS = 3, 2
+DRAFT_SIZES = {"full": (16, 1024), "tiny": (2, 16)}  # (sequences, cached context) of the draft_step figure
 BATCH_SEED = 0  # extraction's random token batches (bench/vllm_capture.py --model draws the same)
 BENCH = Path(__file__).resolve().parent
 
@@ -185,6 +192,75 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
             "draft_vocab": cfg.draft_vocab_size, "last_loss": float(r.loss.detach())}, drafter
 
 
+def _chain(drafter: Drafter, tok, hidden, pos, past, k: int) -> None:
+    """K chained draft steps after the cached context `past` (its step-0 keys/values)."""
+    cache = TTTCache(past)
+    cache.keys.append(past[0]), cache.values.append(past[1])  # step 0 done: the cached context
+    for j in range(k):
+        hidden = drafter.step(tok, hidden, pos + j + 1, cache)
+        tok = drafter.logits(hidden).argmax(-1)
+
+
+def _parallel(drafter: Drafter, slots, states, pos, past, k: int) -> None:
+    """The bonus slot and k - 1 mask slots after the cached context, in one causal forward."""
+    drafter.logits(drafter.step(slots[:, :k], states[:, :k], pos[:, :k], TTTCache(past))).argmax(-1)
+
+
+def _block(drafter: DFlashDrafter, aux, anchors, tokens, _k: int) -> None:
+    drafter.logits(drafter.blocks(aux, anchors, tokens)[:, :, 1:]).argmax(-1)
+
+
+@torch.inference_mode()
+def draft_steps(config, device: torch.device, dtype: torch.dtype, batch: int, context: int,
+                ks: range = range(1, 8)) -> dict:
+    """The draft_step figure (module docstring): {method: [seconds for K in ks]}, best of a few timed calls."""
+    num_aux, hidden_size, vocab = len(default_aux_layers(config.num_hidden_layers)), config.hidden_size, config.vocab_size
+    out: dict = {"batch": batch, "context": context, "k": list(ks)}
+    ids = torch.randint(3, vocab, (batch, context), device=device)
+    pos = torch.arange(context + max(ks), device=device)[None].expand(batch, -1)
+    for method in ("eagle3", "peagle"):
+        torch.manual_seed(0)
+        drafter = Drafter(DrafterConfig.from_target(config, vocab, num_aux, parallel=method == "peagle"))
+        drafter.to(device, dtype).eval()
+        cache = TTTCache()
+        state = torch.randn(batch, context, hidden_size, device=device, dtype=dtype)
+        hidden = drafter.step(ids, state, pos[:, :context], cache)[:, -1:]
+        past = (cache.keys[0], cache.values[0])
+        if method == "eagle3":
+            run = partial(_chain, drafter, ids[:, -1:], hidden, pos[:, context - 1: context], past)
+        else:
+            slots = torch.full((batch, max(ks)), vocab - 1, device=device)
+            states = torch.randn(batch, max(ks), hidden_size, device=device, dtype=dtype)
+            run = partial(_parallel, drafter, slots, states, pos[:, context:], past)
+        out[method] = [_best_of_timed(run, k, device) for k in ks]
+    dflash = []
+    for k in ks:
+        cfg = DFlashConfig.from_target(config, DFLASH_LAYERS, k + 1, default_aux_layers(config.num_hidden_layers),
+                                       mask_token_id=vocab - 1)
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(cfg)
+        drafter.set_target_head(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size))
+        drafter.to(device, dtype).eval()
+        aux = torch.randn(batch, k + 1, num_aux * hidden_size, device=device, dtype=dtype)
+        anchors = torch.full((batch, 1), k + 1, device=device)
+        run = partial(_block, drafter, aux, anchors, ids[:, -1:])
+        dflash.append(_best_of_timed(run, k, device))
+    out["dflash"] = dflash
+    return out
+
+
+def _best_of_timed(fn, k: int, device: torch.device, repeats: int = 3) -> float:
+    fn(k)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn(k)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def vllm_extraction(python: Path, directory: Path, batches: list[torch.Tensor], dtype: str, extract: dict) -> dict:
     """vLLM capture vs vLLM plain prefill of the target saved in `directory`, on the same batches, in a process of
     vLLM's environment (bench/vllm_capture.py --model: each path in a fresh one)."""
@@ -242,6 +318,8 @@ def main() -> None:
         prompts = [PromptIds(f"random-{i}", [rng.randrange(3, config.vocab_size) for _ in range(prompt_len)])
                    for i in range(n_prompts)]
         decoded = measure_acceptance(target, drafter, layout.aux_layers, prompts, K, new_tokens)
+        log("draft step against K: eagle3, peagle, dflash")
+        drafting = draft_steps(config, place.device, place.dtype, *DRAFT_SIZES["tiny" if args.tiny else "full"])
         params, peak = sum(p.numel() for p in target.model.parameters()), peak_memory_gib(place.device)
         vllm_extract: dict = {"skipped": f"no vLLM environment here (EYAS_VLLM_PYTHON={settings.vllm_python})"}
         if python is not None and python.exists():
@@ -257,7 +335,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(place.device) if place.device.type == "cuda" else "cpu"
     print(json.dumps({
         "device": device_name, "shapes": "tiny" if args.tiny else "llama-3.1-8b", "dtype": place.dtype_name,
-        "target_params": params, "extract": extract, "train": train, "specdec": specdec, "vllm_extract": vllm_extract,
+        "target_params": params, "extract": extract, "train": train, "specdec": specdec, "draft_step": drafting,
+        "vllm_extract": vllm_extract,
         "peak_memory_gib": peak, "seconds": time.perf_counter() - t_start,
     }), flush=True)
 

@@ -29,6 +29,9 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes():
     assert specdec["drafts"] > 0 and specdec["greedy_mismatches"] == []
     assert specdec["matches_greedy"] == (specdec["near_ties"] == [])
     assert result["peak_memory_gib"] > 0
+    drafting = result["draft_step"]  # seconds to draft K = 1..7, per method (the GPU figure: flat for the parallel)
+    assert drafting["k"] == list(range(1, 8))
+    assert all(len(drafting[m]) == 7 and min(drafting[m]) > 0 for m in ("eagle3", "peagle", "dflash"))
     vllm = result["vllm_extract"]
     python = Settings().vllm_python  # what bench/gpu.py reads (default: the checkout's .venv-vllm)
     if python is None or not python.exists():
