@@ -20,7 +20,5 @@ def objective(drafter: Drafter | DFlashDrafter, batch: Batch, target_lm_head: to
     `decay` per step, `recompute` the draft-vocabulary logits in the backward pass), or DFlash's blocks at
     DFLASH_ANCHORS random anchors a sequence drawn from `generator` (its block fixes the positions drafted)."""
     if isinstance(drafter, DFlashDrafter):
-        loss, correct, count = dflash_objective(drafter, batch, drafter.cfg.block_size, DFLASH_ANCHORS, generator)
-        return TTTResult(objective=loss, denom=torch.ones((), device=loss.device),
-                         ce_sum=torch.zeros_like(correct), correct=correct, count=count)
+        return dflash_objective(drafter, batch, DFLASH_ANCHORS, generator)
     return ttt_forward(drafter, batch, target_lm_head, steps, decay, recompute)
