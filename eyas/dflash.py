@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.batching import Batch
-from eyas.drafter import MLP, RMSNorm, Rotary
+from eyas.drafter import MLP, RMSNorm, Rotary, TargetShape
 from eyas.ttt import TTTResult
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -66,23 +66,12 @@ def pick_mask_token(tokenizer) -> int:
     raise ValueError("no unused special token to use as the DFlash mask token: pass mask_token_id")
 
 
-@dataclass
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int
-    target_hidden_size: int
+@dataclass(kw_only=True)
+class DFlashConfig(TargetShape):
     num_hidden_layers: int  # draft layers
     block_size: int  # block = 1 bonus token + (block - 1) masks; vLLM num_speculative_tokens = block - 1
     target_layer_ids: tuple[int, ...]  # out(i) numbering, ascending (eyas.layout); vLLM captures in(i + 1)
     mask_token_id: int
-    rope_theta: float
-    max_position_embeddings: int
-    rope_scaling: dict[str, Any] | None = None
     causal: bool = False  # attention inside the block (vLLM default for DFlash: non-causal)
     tie_k_norm: bool = True  # one k_norm shared by all layers (see the module docstring: vLLM-CPU)
 
@@ -102,18 +91,8 @@ class DFlashConfig:
     def from_target(cls, target_config, num_layers: int, block_size: int, target_layer_ids, mask_token_id: int,
                     **kw) -> DFlashConfig:
         """A drafter with the target's widths, heads and RoPE (a transformers config), `num_layers` draft layers."""
-        c = target_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                   head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
-                   target_hidden_size=c.hidden_size, num_hidden_layers=num_layers, block_size=block_size,
-                   target_layer_ids=tuple(target_layer_ids), mask_token_id=int(mask_token_id),
-                   rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
-                   rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None, **kw)
+        return cls(**TargetShape.of(target_config), num_hidden_layers=num_layers, block_size=block_size,
+                   target_layer_ids=tuple(target_layer_ids), mask_token_id=int(mask_token_id), **kw)
 
 
 class DFlashAttention(nn.Module):

@@ -35,8 +35,9 @@ def check_norm_flags(norm_before_fc: bool, fc_norm: bool) -> None:
         raise ValueError("norm_before_fc and fc_norm are alternatives: one norm over all aux layers, or one each")
 
 
-@dataclass
-class DrafterConfig:
+@dataclass(kw_only=True)
+class TargetShape:
+    """What a drafter (EAGLE-3's, DFlash's) takes from its target's config: widths, heads, vocabulary and RoPE."""
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -44,14 +45,32 @@ class DrafterConfig:
     head_dim: int
     rms_norm_eps: float
     vocab_size: int  # target vocabulary V
-    draft_vocab_size: int  # Vd
     target_hidden_size: int
-    num_aux: int
     rope_theta: float
     max_position_embeddings: int
     # The target's RoPE scaling (its rope_type and parameters, e.g. Llama-3's "llama3"); None for plain RoPE. The
     # export writes it as rope_scaling, which the engines apply to the drafter, so training applies it too.
     rope_scaling: dict[str, Any] | None = None
+
+    @staticmethod
+    def of(target_config) -> dict[str, Any]:
+        """These fields from a transformers config."""
+        c = target_config
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size, "target_hidden_size": c.hidden_size,
+                "rope_theta": float(theta), "max_position_embeddings": c.max_position_embeddings,
+                "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None}
+
+
+@dataclass(kw_only=True)
+class DrafterConfig(TargetShape):
+    draft_vocab_size: int  # Vd
+    num_aux: int
     # EAGLE 3.1's extra norms (docs/eagle3.md §1.2; vLLM and speculators read them, this SGLang does not), all off in
     # the EAGLE-3 baseline: one RMSNorm over cat(aux) before fc, or one per aux chunk; and the post-norm state, not
     # the pre-norm one, fed to the next step.
@@ -76,20 +95,9 @@ class DrafterConfig:
         """The drafter for a target (a transformers config): its widths, heads and RoPE; `num_aux` is the number
         of aux layers the features concatenate (the layout's); `parallel`, P-EAGLE (its mask token is the target
         vocabulary's last id); `norms`, EAGLE 3.1's flags."""
-        c = target_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, c.vocab_size), target_hidden_size=c.hidden_size,
-            num_aux=num_aux, rope_theta=float(theta), max_position_embeddings=c.max_position_embeddings,
-            rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
-            mask_token_id=c.vocab_size - 1 if parallel else None, **norms,
-        )
+        vocab = target_config.vocab_size
+        return cls(**TargetShape.of(target_config), draft_vocab_size=min(draft_vocab_size, vocab), num_aux=num_aux,
+                   mask_token_id=vocab - 1 if parallel else None, **norms)
 
 
 class RMSNorm(nn.Module):
