@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,7 +46,11 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("eyas-methods"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # the tests' servers' KV cache (bench/serving.py)
-    settings = Settings(workdir=args.workdir.resolve(), input_roots=[REPO], vllm_command=args.vllm_command or None)
+    # a local features artifact (a path or file:// URI) is read where it lies
+    local = Path(unquote(urlparse(args.features).path)) if "://" not in args.features or \
+        args.features.startswith("file://") else None
+    roots = [REPO] + ([local.resolve().parent] if local else [])
+    settings = Settings(workdir=args.workdir.resolve(), input_roots=roots, vllm_command=args.vllm_command or None)
     runner = EmbeddedRunner(settings)
     rows, reports = [], []
     for method in args.methods:
