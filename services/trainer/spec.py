@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -51,7 +51,7 @@ class Spec(StageSpec):
         "\"dflash\"); all three train on the same features")
     draft_layers: int | None = Field(None, ge=1, le=32, description="DFlash's decoder layers (default 2); EAGLE-3 "
                                      "and P-EAGLE have one")
-    aux_layers: list[int] | None = Field(
+    aux_layers: list[Annotated[int, Field(ge=-1, le=1023)]] | None = Field(
         None, min_length=1, max_length=64, description="the target layers the drafter reads (out(i), ascending, "
         "as the extract spec names them); default: the features'. Features that captured other layers are refused, "
         "by name")
