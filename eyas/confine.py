@@ -284,6 +284,9 @@ def visit(model: type[BaseModel], data: Any, fn: Callable[[str, str, Names], str
         marker = _marker(info.annotation, info.metadata)
         if marker is not None and isinstance(value, str):
             data[name] = fn(f"{where}{name}", value, marker)
+        elif marker is not None and isinstance(value, list):  # a list of names (evaluate's compare_with)
+            data[name] = [fn(f"{where}{name}.{i}", v, marker) if isinstance(v, str) else v
+                          for i, v in enumerate(value)]
         for sub in _models(info.annotation):
             if isinstance(value, dict):
                 visit(sub, value, fn, f"{where}{name}.")

@@ -148,6 +148,11 @@ def test_then_entries_are_checked_and_cannot_set_their_input(tree):
     with pytest.raises(SpecError) as e:
         validate_spec("generate", {**good, "then": ["extract", {"stage": "train", "lr": float("nan")}]}, settings)
     assert e.value.field == "then[1].lr" and "finite" in e.value.message
+    # a list of names (evaluate's compare_with): every item is confined, by its index
+    then = ["extract", "train", {"stage": "evaluate", "compare_with": ["s3://eyas/reports/a", str(outside)]}]
+    with pytest.raises(SpecError) as e:
+        validate_spec("generate", {**good, "then": then}, settings)
+    assert e.value.field == "then[2].compare_with.1" and "input root" in e.value.message
     spec = validate_spec("generate", {**good, "limit": 2.0, "then": ["extract", {"stage": "train", "steps": 3.0}]},
                          settings)  # JSON's 2.0 is the integer 2
     assert spec.limit == 2 and isinstance(spec.limit, int)
