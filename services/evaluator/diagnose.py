@@ -338,15 +338,20 @@ def _served(spec: Spec, ctx: StageContext, exported: Exported, prompts: list[Pro
             "accepted_per_pos": out["accepted_per_pos"], "url": out["url"]}
 
 
+def significant(tau: float) -> float:
+    """How far τ must move for a wiring to matter. Every variant runs on the same prompts and the same target
+    outputs, so a difference is the wiring's, not chance; but a drafter that reads its aux states weakly moves a little
+    with any change (a random-weight target: ±0.03)."""
+    return max(0.03, 0.05 * (tau - 1))
+
+
 def verdict(rows: list[dict], served: float | None, expected: float | None, static: list[str],
             trained_kwargs: dict[str, Any] | None) -> tuple[str, dict]:
     """One sentence, and the variant it points at (or {}): what the files show, the traffic rendered in another mode
     than the drafter's training data (where its artifact records it), the mis-wiring that explains what the engine
     measured, or the one that brings τ to what the drafter can do."""
     base = rows[0]["tau"]
-    # every variant runs on the same prompts and the same target outputs: a difference is the wiring's, not chance,
-    # but a drafter that reads its aux states weakly moves a little with any change (a random-weight target: ±0.03)
-    margin = max(0.03, 0.05 * (base - 1))
+    margin = significant(base)
     best = max((r for r in rows[1:] if not r["engine_fault"]), key=lambda r: r["tau"], default=None)
     if static:
         return f"the export itself is mis-wired: {static[0]}", {}
