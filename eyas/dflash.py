@@ -214,12 +214,12 @@ class DFlashDrafter(nn.Module):
 # ---------------------------------------------------------------------------------------------------------- training
 
 
-def sample_anchors(batch: Batch, block: int, anchors_per_seq: int,
+def sample_anchors(batch: Batch, anchors_per_seq: int,
                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors inside each row's loss-masked region (as SpecForge: loss_mask[a] = 1, distinct, sorted),
-    with a ≥ 1 (a non-empty context, as serving always has) and a ≤ length - 2 (at least one label).
+    with a ≥ 1 (a non-empty context, as serving always has) and a ≤ length - 2 (at least one label; labels past the
+    row's end are masked, so anchors near the end still train their first drafts).
     Returns anchors [B, A] (0 where unused) and keep [B, A]."""
-    del block  # labels past the row's end are masked, so anchors near the end still train their first drafts
     lmask, lengths = batch.loss_mask.cpu(), batch.lengths.cpu()
     B, T = lmask.shape
     idx = torch.arange(T)
@@ -244,7 +244,7 @@ def dflash_objective(drafter: DFlashDrafter, batch: Batch, anchors_per_seq: int,
     block = drafter.cfg.block_size
     gamma = default_gamma(block)
     dev = drafter.fc.weight.device
-    anchors, keep = sample_anchors(batch, block, anchors_per_seq, generator)
+    anchors, keep = sample_anchors(batch, anchors_per_seq, generator)
     anchors, keep = anchors.to(dev), keep.to(dev)
     ids = batch.input_ids.to(dev)
     lmask, lengths = batch.loss_mask.to(dev), batch.lengths.to(dev)

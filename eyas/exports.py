@@ -151,7 +151,7 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
                        speculative_tokens: int) -> dict[str, Any]:
     layer = {k: v for k, v in eagle_cfg.items() if k not in _EAGLE_ONLY}
     layer["architectures"] = ["LlamaForCausalLM"]
-    parallel = eagle_cfg.get("mask_token_id") is not None  # P-EAGLE: the speculators library's "peagle"
+    parallel = drafting_method(eagle_cfg) == "peagle"  # the speculators library's "peagle"
     cfg: dict[str, Any] = {
         "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
         "speculators_model_type": "peagle" if parallel else "eagle3",
@@ -189,7 +189,7 @@ def unsupported_engines(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dic
         check_serving(layout, eagle_cfg, "sglang")
         if norms:
             raise LayoutMismatch(f"its llama_eagle3 reads none of EAGLE 3.1's norms ({', '.join(norms)})")
-        if eagle_cfg.get("mask_token_id") is not None:
+        if drafting_method(eagle_cfg) == "peagle":
             raise LayoutMismatch("its EAGLE-3 worker drafts a chain and reads no mask_hidden: a P-EAGLE drafter "
                                  "would see the drafts it was not trained on (vLLM serves it with parallel_drafting)")
     except LayoutMismatch as e:

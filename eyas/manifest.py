@@ -51,7 +51,7 @@ class DrafterFacts(BaseModel):
     ttt_steps: int  # draft positions trained (the evaluator measures at least these)
     val_every: int  # sample i of the features is validation iff i % val_every == 0 (eyas.features.is_validation)
     draft_vocab_size: int
-    method: str = "eagle3"  # eagle3 (a chain) or peagle (parallel drafting): how vLLM must be told to serve it
+    method: str = "eagle3"  # eagle3 (a chain), peagle or dflash (parallel drafting): how vLLM must be told to serve it
     # the chat template's kwargs its data was rendered with: the evaluator renders prompts with them, and the
     # server must too (the report says so)
     chat_template_kwargs: dict[str, Any] = {}

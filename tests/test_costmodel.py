@@ -120,8 +120,8 @@ def test_a_parallel_drafter_pays_one_forward_for_k_drafts_and_the_comparison_pic
                                                                  "num_speculative_tokens": 7}
     lower = {k: t - 0.1 for k, t in GOOD.items()}  # P-EAGLE accepts a little less
     out = compare_methods(ENGINE.target, [
-        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": slow_drafter, "parallel": False},
-        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": slow_drafter, "parallel": True}])
+        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": slow_drafter},
+        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": slow_drafter}])
     assert [m["method"] for m in out["methods"]] == ["eagle3", "peagle"]
     # at concurrency 1 the chain's 3 × 4 ms of drafting costs more than its extra τ buys
     assert out["choice"][0]["method"] == "peagle"
@@ -130,6 +130,6 @@ def test_a_parallel_drafter_pays_one_forward_for_k_drafts_and_the_comparison_pic
     # with a free drafter the chain's higher τ wins everywhere
     free = [(1, 0.0), (512, 0.0)]
     out = compare_methods(ENGINE.target, [
-        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": free, "parallel": False},
-        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": free, "parallel": True}])
+        {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": free},
+        {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": free}])
     assert {c["method"] for c in out["choice"]} == {"eagle3"}

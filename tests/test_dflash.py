@@ -102,7 +102,7 @@ def test_objective_is_the_decayed_cross_entropy_per_block_position(drafter):
 
 
 def _anchor(batch: Batch, generator: torch.Generator) -> int:
-    anchors, keep = sample_anchors(batch, BLOCK, 1, generator)
+    anchors, keep = sample_anchors(batch, 1, generator)
     assert bool(keep.all())
     return int(anchors[0, 0])
 

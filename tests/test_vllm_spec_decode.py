@@ -33,7 +33,7 @@ from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from orchestration.embedded import EmbeddedRunner
-from services.evaluator.chains import replay, run_lengths
+from services.evaluator.chains import drafted_ks, replay, run_lengths
 from services.evaluator.costmodel import speculative_config
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
@@ -121,7 +121,7 @@ def test_one_pass_acceptance_per_k_equals_a_real_k_chain(trained):
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
     real = measure_acceptance(target, d, layout.aux_layers, prompts, 2, MAX_TOKENS)
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
-                    for p, r in zip(prompts, real["per_prompt"], strict=True)], 7)
+                    for p, r in zip(prompts, real["per_prompt"], strict=True)], drafted_ks(d, 7))
     print(f"\nK = 2 run: {real['drafts']} drafts, accepted per position {real['accepted_per_pos']}; replayed: "
           f"{per_k[2]['drafts']}, {per_k[2]['accepted_per_pos']}; K = 7 replayed: {per_k[7]['accepted_per_pos']} "
           f"of {per_k[7]['drafts']}")
@@ -198,7 +198,7 @@ def test_peagle_from_the_same_features_serves_with_parallel_drafting(trained):
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
     ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
-                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], 7)
+                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, 7))
     assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
     serve = json.loads(speculative_config(str(eagle_dir), K, "peagle"))
     assert serve["parallel_drafting"] is True
@@ -233,7 +233,7 @@ def test_dflash_from_the_same_features_serves_in_vllm(trained):
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
     ours = measure_acceptance(target, d, layout.aux_layers, prompts, k, MAX_TOKENS)
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], k)
-                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], k)
+                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, k))
     assert (per_k[k]["drafts"], per_k[k]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
     with vllm_server(bundled_target_dir(), speculative_config=json.loads(speculative_config(str(out), k, "dflash"))) \
             as url:

@@ -80,9 +80,9 @@ def run_lengths(target: Target, drafter: Drafter | DFlashDrafter, aux_layers: tu
     return drafter_runs(drafter, ids, aux, preds, len(prompt), k_max)
 
 
-def replay(runs: list[list[int]], k_max: int) -> dict[int, dict]:
-    """K → chain acceptance for K = 1..k_max over the same run lengths."""
-    return {k: chain_acceptance(runs, k) for k in range(1, k_max + 1)}
+def replay(runs: list[list[int]], ks: list[int]) -> dict[int, dict]:
+    """K → chain acceptance for each K of `ks` (drafted_ks) over the same run lengths."""
+    return {k: chain_acceptance(runs, k) for k in ks}
 
 
 def drafted_ks(drafter: Drafter | DFlashDrafter, k_max: int) -> list[int]:

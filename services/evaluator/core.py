@@ -47,7 +47,7 @@ from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
 from services.evaluator import costmodel, launch, serving, steptime
 from services.evaluator import report as reports
-from services.evaluator.chains import chain_acceptance, drafted_ks, run_lengths
+from services.evaluator.chains import chain_acceptance, drafted_ks, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
 from services.evaluator.live import live_ab
 from services.evaluator.model import (
@@ -154,7 +154,7 @@ def _replayed(target, drafter: Drafter, layout: Layout, prompts: list[PromptIds]
             runs.append(run_lengths(target, drafter, layout.aux_layers, p.ids, out, k_max))
         outputs += outs
         pace.mark(len(chunk))
-    return Replayed(prompts, outputs, runs, {k: chain_acceptance(runs, k) for k in drafted_ks(drafter, k_max)})
+    return Replayed(prompts, outputs, runs, replay(runs, drafted_ks(drafter, k_max)))
 
 
 def _per_prompt(replayed: Replayed, k: int) -> list[PromptAcceptance]:
@@ -367,9 +367,8 @@ def _compared(uri: str, ctx: StageContext) -> dict:
     """What compare_methods needs of an earlier evaluation report."""
     report = json.loads(open_artifact(uri, ctx.settings).get_bytes("report.json"))
     serving_ = report["serving"]
-    method = report.get("method", "eagle3")
-    return {"method": method, "drafter": report["drafter"], "tau_per_k": serving_["tau_per_k"],
-            "drafter_s": [tuple(p) for p in serving_["drafter_s"]], "parallel": method != "eagle3"}
+    return {"method": report.get("method", "eagle3"), "drafter": report["drafter"],
+            "tau_per_k": serving_["tau_per_k"], "drafter_s": [tuple(p) for p in serving_["drafter_s"]]}
 
 
 def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, replayed: Replayed) -> dict:
@@ -389,8 +388,7 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         out = {**measured, **serving.predict(times, per_k, model, method)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
-                {"method": method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
-                 "drafter_s": times.drafter, "parallel": times.parallel},
+                {"method": method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"], "drafter_s": times.drafter},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:

@@ -37,6 +37,11 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def drafts_in_one_forward(method: str) -> bool:
+    """P-EAGLE and DFlash draft all K tokens in one forward; EAGLE-3 chains K."""
+    return method != "eagle3"
+
+
 @dataclass(frozen=True)
 class StepTimes:
     target: list[tuple[int, float]]  # (tokens in one target forward, seconds)

@@ -307,7 +307,7 @@ class Report(_Model):
     report's JSON form)."""
     target: str
     layout: dict[str, Any] = Field(description="the drafter's layout (eyas.layout.Layout.to_dict())")
-    method: str = Field("eagle3", description="eagle3 (a chain: one drafter step per draft token) or peagle "
+    method: str = Field("eagle3", description="eagle3 (a chain: one drafter step per draft token), peagle or dflash "
                         "(parallel drafting: all K in one drafter forward)")
     k: int = Field(description="draft tokens per target forward")
     per_position_accuracy: list[float] = Field(description="teacher-forced accuracy per TTT step; [] without features")

@@ -38,7 +38,8 @@ def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str
         target_points = steptime.target_step_times(target, TOKENS)
         source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
     source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
-    times = costmodel.StepTimes(target=target_points, drafter=drafter_points, parallel=method != "eagle3")
+    times = costmodel.StepTimes(target=target_points, drafter=drafter_points,
+                                parallel=costmodel.drafts_in_one_forward(method))
     return times, {"source": source, "target_s": target_points, "drafter_s": drafter_points}
 
 
@@ -54,12 +55,13 @@ def predict(times: costmodel.StepTimes, per_k: dict[int, dict], model: str, meth
 
 
 def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]) -> dict:
-    """drafters: [{"method", "drafter" (URI), "tau_per_k" (K → τ), "drafter_s" (its step times), "parallel"}] →
+    """drafters: [{"method", "drafter" (URI), "tau_per_k" (K → τ), "drafter_s" (its step times)}] →
     per drafter its best K and speed-up at each concurrency (this engine's target step times, its own draft cost),
     and per concurrency the drafter predicted fastest."""
     rows = []
     for d in drafters:
-        times = costmodel.StepTimes(target=target_points, drafter=d["drafter_s"], parallel=d["parallel"])
+        times = costmodel.StepTimes(target=target_points, drafter=d["drafter_s"],
+                                    parallel=costmodel.drafts_in_one_forward(d["method"]))
         rec = costmodel.recommend(times, {int(k): t for k, t in d["tau_per_k"].items()})
         rows.append({"method": d["method"], "drafter": d["drafter"], "best": rec["best"]})
     choice = []

@@ -71,11 +71,11 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
     return metrics
 
 
-def _export_dflash(spec: Spec, target: str, layout: Layout, weights: dict[str, torch.Tensor],
+def _export_dflash(spec: Spec, target: str, layout: Layout, weights: dict[str, torch.Tensor], head: torch.Tensor,
                    out: Path) -> tuple[list[Path], dict[str, str]]:
-    """dflash/ (vLLM's DFlashDraftModel, eyas.dflash) for the trained weights; the engines that cannot serve it."""
-    embed, head = load_target_head(target)
-    drafter = build_dflash(target, spec, layout, embed, head)
+    """dflash/ (vLLM's DFlashDraftModel, eyas.dflash) for the trained weights (with the target's embedding) and the
+    target's lm_head `head`; the engines that cannot serve it."""
+    drafter = build_dflash(target, spec, layout, weights["embed_tokens.weight"], head)
     restored = {k: v for k, v in weights.items() if k in drafter.trainable_state_dict()}
     drafter.load_state_dict(restored, strict=False)
     files = export_dflash(drafter, out / DFLASH_DIR, spec.dtype, layout.to_dict())
@@ -105,12 +105,12 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     metrics = _summary(state["history"], state["info"])
     target_cfg = json.loads((resolve_target(target) / "config.json").read_text())
     verifier = speculators_verifier(target, target_cfg, spec.verifier)
-    weights["embed_tokens.weight"], _ = load_target_head(target)  # the speculators export carries it
+    weights["embed_tokens.weight"], head = load_target_head(target)  # the speculators export carries it
 
     writer = ArtifactWriter(ctx.output)
     with tempfile.TemporaryDirectory(prefix="eyas-drafter-") as tmp:
         if spec.method == "dflash":
-            written, unsupported = _export_dflash(spec, target, layout, weights, Path(tmp))
+            written, unsupported = _export_dflash(spec, target, layout, weights, head, Path(tmp))
         else:
             cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.architecture())
             written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier,

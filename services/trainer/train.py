@@ -193,15 +193,15 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     embed, head = load_target_head(target)
     torch.manual_seed(spec.seed)
     if spec.method == "dflash":  # the target's whole vocabulary: it drafts with the target's lm_head
-        drafter, coverage_ = build_dflash(target, spec, layout, embed, head), 1.0
+        drafter, vocab_coverage = build_dflash(target, spec, layout, embed, head), 1.0
     else:
         used = select_vocab(data.counts, spec.draft_vocab_size)
         drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.architecture())
-        coverage_ = coverage(data.counts, used)
+        vocab_coverage = coverage(data.counts, used)
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
-                         vocab_coverage=coverage_, total_steps=total)
+                         vocab_coverage=vocab_coverage, total_steps=total)
 
 
 class TargetTopCache:
