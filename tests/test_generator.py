@@ -220,13 +220,13 @@ def test_workers_share_one_global_maximum(tmp_path, vllm_url, redis_url):
     assert 2 <= proxy.max_in_flight <= 3, proxy.max_in_flight  # three workers, one shared maximum of 3
 
 
-def test_a_retry_after_a_timeout_waits_for_twice_the_slowest_answer_not_the_full_timeout():
+def test_a_retry_after_a_timeout_waits_for_one_and_a_half_slowest_answers_not_the_full_timeout():
     from services.generator.generate import retry_timeout
 
     assert retry_timeout(2.0, 0, 30.0) is None  # a first attempt: the full timeout
     assert retry_timeout(0.0, 1, 30.0) is None  # no answer yet to size it from
-    assert [retry_timeout(2.0, n, 30.0) for n in (1, 2, 3)] == [4.0, 8.0, 16.0]
-    assert retry_timeout(2.0, 4, 30.0) is None  # 32 s would be past the full timeout
+    assert [retry_timeout(2.0, n, 30.0) for n in (1, 2, 3, 4)] == [3.0, 6.0, 12.0, 24.0]
+    assert retry_timeout(2.0, 5, 30.0) is None  # 48 s would be past the full timeout
 
 
 def test_a_hung_request_costs_one_full_timeout_not_a_chain_of_them(tmp_path):

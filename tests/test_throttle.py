@@ -80,8 +80,8 @@ def test_slow_start_reaches_the_maximum_in_log_round_trips():
     assert set(sizes[7:-1]) == {256}  # and stays at the maximum
 
 
-def test_slow_start_from_the_default_share_reaches_the_job_concurrency_in_two_round_trips():
-    assert [initial_limit(c) for c in (1, 3, 8, 16, 32, 1000)] == [1, 3, 4, 4, 8, 250]
+def test_slow_start_from_the_default_share_reaches_the_job_concurrency_in_one_round_trip():
+    assert [initial_limit(c) for c in (1, 3, 8, 16, 32, 1000)] == [1, 3, 4, 8, 16, 500]
 
     async def main():
         endpoint = RoundTrips()
@@ -89,8 +89,8 @@ def test_slow_start_from_the_default_share_reaches_the_job_concurrency_in_two_ro
         return endpoint.sizes
 
     sizes = asyncio.run(main())
-    assert sizes[:3] == [64, 128, 256]  # latency flat: the maximum in the third round trip, after two
-    assert set(sizes[2:-1]) == {256}
+    assert sizes[:2] == [128, 256]  # latency flat: the maximum in the second round trip, after one
+    assert set(sizes[1:-1]) == {256}
 
 
 def test_workers_share_one_limit_and_slow_start_together(redis_url):

@@ -19,8 +19,10 @@ from services.generator.throttle import Throttle
 
 # A retry after a timeout waits this many times the slowest answer the job has had (doubled for each further
 # timeout of the same request), never more than the full timeout: a request that hung past the full timeout is
-# more likely lost at the server than slow, and a chain of full timeouts would set the job's wall time.
-RETRY_TIMEOUT_FACTOR = 2.0
+# more likely lost at the server than slow, and a chain of full timeouts would set the job's wall time. At 2x, a
+# full batch's slowest answers (1,024 tokens at 10 ms) put the retry at the full timeout again: a prompt that hung
+# twice cost two (bench/README.md: 1.10-1.19x the bare client at C = 200 with faults; 0.95x at 1.5).
+RETRY_TIMEOUT_FACTOR = 1.5
 
 
 def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | None:

@@ -77,8 +77,8 @@ class Spec(StageSpec):
     max_turns: int | None = Field(None, ge=1, le=256, description="regenerate at most this many assistant turns")
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="conversations per output shard file")
     initial_concurrency: int | None = Field(None, ge=1, le=4096, description="requests in flight at the start; slow start "
-                                            "doubles it every round trip (default: a quarter of concurrency, at least 4: "
-                                            "concurrency within two round trips)")
+                                            "doubles it every round trip (default: half the concurrency, at least 4: "
+                                            "concurrency within one round trip)")
     latency_factor: float = Field(4.0, ge=0, le=1000, description="congestion when answers take this many times the fastest "
                                   "time per output token seen: keep it above how much slower per token a full batch "
                                   "is than one request (2-4x on GPUs). Used where the endpoint publishes no queue on "
