@@ -1,7 +1,8 @@
 """Does `eyas run --minutes N` keep its budget on a busy machine? Each run is a whole `eyas run`, on a quiet machine
-or beside a CPU hog (busy processes, one per core, for part of the run); each drafter is then scored on all 80
-MT-bench prompts by replay (an evaluate job without a deadline, after the run, outside its budget), so that runs whose evaluation
-scored different prompts compare on the same ones.
+or beside a CPU hog (busy processes, one per core, for part of the run); after every run, each drafter is scored
+on all 80 MT-bench prompts by replay at K = 3 (the evaluator's functions: the target's greedy outputs once, the
+same for every drafter, then each drafter's run lengths over them), so that runs whose evaluation scored
+different prompts compare on the same ones.
 
     .venv/bin/python bench/budget.py --minutes 10 --repeats 3          # quiet, hog-start, hog-middle × 3
     .venv/bin/python bench/budget.py --minutes 10 --variants quiet --repeats 1
@@ -76,6 +77,8 @@ def one_run(variant: str, repeat: int, minutes: float, workdir: Path) -> dict:
         return {**row, "error": proc.stdout[-800:] + proc.stderr[-800:]}
     out = proc.stdout
     row["plan"] = re.search(r"^plan for .*$", out, re.M)[0]
+    row["planned_prompts"] = int(re.search(r"(\d+) prompts ×", row["plan"])[1])
+    row["probe_decode"] = float(re.search(r"^measured: decode ([0-9.]+) tok/s", out, re.M)[1])
     row["replans"] = re.findall(r"^re-plan after .*$", out, re.M)
     row["tau_run"] = float(re.search(r"acceptance length τ = ([0-9.]+)", out)[1])
     row["eval_prompts"] = int(re.search(r"K = \d+, (\d+) MT-bench prompts", out)[1])
@@ -83,20 +86,41 @@ def one_run(variant: str, repeat: int, minutes: float, workdir: Path) -> dict:
     dataset = re.search(r"^  generate\s+succeeded.*?(file://\S+)$", out, re.M)[1]
     row["prompts"] = json.loads(Path(unquote(urlparse(dataset).path), "manifest.json").read_text())["counts"][
         "conversations"]
-    row["steps"] = json.loads(Path(unquote(urlparse(drafter).path), "manifest.json").read_text())["counts"]["steps"]
-    row["tau_80"] = score_80(drafter, out_dir)
+    row["drafter"] = unquote(urlparse(drafter).path)
+    row["steps"] = json.loads(Path(row["drafter"], "manifest.json").read_text())["counts"]["steps"]
     return row
 
 
-def score_80(drafter: str, workdir: Path) -> float:
-    """τ on all 80 MT-bench prompts by replay (no deadline, one prompt of the second set, one decoded for real)."""
-    cmd = [sys.executable, "-m", "orchestration.cli", "evaluate", "--drafter", drafter, "--num-prompts", "80",
-           "--second-num-prompts", "1", "--decode-prompts", "1", "--workdir", str(workdir)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
-    report = re.search(r"^evaluate: succeeded → (\S+)$", proc.stdout, re.M)
-    if report is None:
-        raise RuntimeError(f"the evaluation did not succeed: {proc.stdout[-500:]} {proc.stderr[-500:]}")
-    return json.loads(Path(unquote(urlparse(report[1]).path), "report.json").read_text())["acceptance_length"]
+def score_80(drafters: list[str], k: int = 3) -> list[float]:
+    """τ at K = `k` of each drafter (a local artifact directory) on all 80 MT-bench prompts by replay, with the
+    evaluator's own functions and defaults: the target's greedy outputs are computed once (they are the same for
+    every drafter), then each drafter's run lengths over them."""
+    sys.path.insert(0, str(ROOT))
+    from eyas.exports import SERVED_DIRS, load_drafter
+    from eyas.layout import Layout
+    from eyas.manifest import read_manifest
+    from eyas.store import open_artifact
+    from eyas.target import BUNDLED, load_target
+    from services.evaluator.chains import drafted_ks, replay, run_lengths
+    from services.evaluator.spec import Spec
+    from services.evaluator.specdec import eval_prompts, greedy, stop_ids
+
+    target = load_target(BUNDLED)
+    model = target.model
+    prompts = eval_prompts(target.tokenizer)
+    outputs = greedy(target, [p.ids for p in prompts], Spec.model_fields["max_new_tokens"].default,
+                     stop_ids(target))
+    taus = []
+    for path in drafters:
+        manifest = read_manifest(open_artifact(path), kind="drafter")
+        layout = Layout.from_dict(manifest.layout)
+        drafter, _ = load_drafter(Path(path) / SERVED_DIRS[manifest.drafter.method],
+                                  model.get_input_embeddings().weight.detach(),
+                                  lm_head_weight=model.get_output_embeddings().weight.detach())
+        runs = [run_lengths(target, drafter, layout.aux_layers, p.ids, out, k) for p, out in zip(prompts, outputs,
+                                                                                                 strict=True)]
+        taus.append(replay(runs, drafted_ks(drafter, k))[k]["acceptance_length"])
+    return taus
 
 
 def main() -> None:
@@ -107,20 +131,26 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / "eyas-work" / "bench-budget")
     args = ap.parse_args()
     rows = []
-    print("| variant | run | wall (s) | of budget | prompts | train steps | eval prompts | τ (run) | τ (80, replay) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats):  # every run first, back to back: the scoring is no run's hog
         for variant in args.variants:
-            row = one_run(variant, repeat, args.minutes, args.workdir)
-            rows.append(row)
-            if "error" in row:
-                print(f"| {variant} | {repeat} | {row['wall_s']:.0f} | failed: {row['error'][-200:]!r} |||||")
-                continue
-            print(f"| {variant} | {repeat} | {row['wall_s']:.0f} | {row['wall_s'] / row['budget_s']:.1%} | "
-                  f"{row['prompts']} | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
-                  f"{row['tau_80']:.3f} |", flush=True)
-    (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
+            rows.append(one_run(variant, repeat, args.minutes, args.workdir))
+            print(f"{variant} {repeat}: {rows[-1]['wall_s']:.0f} s{' (failed)' if 'error' in rows[-1] else ''}",
+                  flush=True)
+            (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
     ok = [r for r in rows if "error" not in r]
+    for row, tau in zip(ok, score_80([r["drafter"] for r in ok]), strict=True):
+        row["tau_80"] = tau
+    (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
+    print("| variant | run | wall (s) | of budget | probe decode (tok/s) | planned prompts | prompts | train steps | "
+          "eval prompts | τ (run) | τ (80, replay) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | failed: {row['error'][-200:]!r} |||||||")
+            continue
+        print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | {row['wall_s'] / row['budget_s']:.1%} | "
+              f"{row['probe_decode']:.0f} | {row['planned_prompts']} | {row['prompts']} | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
+              f"{row['tau_80']:.3f} |")
     within = all(r["wall_s"] <= 1.05 * r["budget_s"] for r in ok)
     used = all(r["wall_s"] >= 0.90 * r["budget_s"] for r in ok)
     print(f"\nevery run within the budget + 5 %: {within}; every run used ≥ 90 % of it: {used}; "

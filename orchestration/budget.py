@@ -1,8 +1,8 @@
 """`eyas run --minutes N`: the budget's arithmetic. A budget is a deadline; a plan is a forecast.
 
 From the rates orchestration/probe.py measures in the run's first seconds, `plan_run` sizes the prompts, the
-evaluation prompts and, for budgets too small for one batch, the answer length, so that the whole run fits at the
-trainer's epochs (what is left buys more epochs). That plan only sets each stage's first share of the budget: every
+evaluation prompts and, for budgets too small for one batch, the answer length, so that the whole run fits with
+MAX_EPOCHS epochs of training. That plan only sets each stage's first share of the budget: every
 stage then works to a deadline (its spec's `finish_by`) and stops at its own boundary, and at every stage boundary
 `replan` divides what is left among the stages still to run, from the rates scaled by how fast the stages so far
 actually went (`speed`). What one prompt costs in tokens (the constants below) was measured on the bundled
@@ -47,8 +47,12 @@ EVAL_GREEDY_COST = 3.5  # seconds per evaluation token, in units of 1 / decode_t
 DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-process (the replay's check)
 DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
-EPOCHS = float(CPU_PRESET["epochs"])  # what prompts are sized with
-MAX_EPOCHS = 6.0  # the time the prompts leave buys epochs up to this (bench/README.md: 6 epochs beat 3)
+# Prompts are sized so that training has time for this many epochs over them, the most it runs (bench/README.md: 6
+# epochs beat 3). Sized at 3 epochs, a quiet run whose decoding went 1.5x faster than its probe read generated 384
+# prompts in its share and trained 1.7 epochs over them (τ 1.239), while one slowed in generation by a hog trained 6
+# epochs over 192 (1.283): generation's share is set before its speed is known, and a larger training share keeps
+# the epochs near 3 when generation outruns the plan ("A budget on a busy machine").
+MAX_EPOCHS = 6.0
 TRAIN_SHARE = 1 - 1 / TrainSpec.model_fields["val_every"].default  # of the samples (the rest validate)
 # Validations `eyas run` asks of the trainer, about (the first, at step 0, and the last included): enough points for
 # the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
@@ -80,13 +84,12 @@ class Plan:
     num_prompts: int
     max_tokens: int
     eval_prompts: int
-    epochs: float
     seconds: dict[str, float]  # predicted, per stage
 
     def describe(self) -> str:
         stages = describe_seconds(self.seconds)
         return (f"plan for {self.minutes:g} min: {self.num_prompts} prompts × {self.max_tokens} tokens, "
-                f"{self.epochs:g} epochs, {self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
+                f"{MAX_EPOCHS:g} epochs, {self.eval_prompts} MT-bench prompts to evaluate; predicted {stages} "
                 f"(total {sum(self.seconds.values()):.0f} s)")
 
 
@@ -152,7 +155,7 @@ def val_passes(steps: int) -> int:
 
 
 def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int, batch: int,
-                  epochs: float = EPOCHS) -> dict[str, float]:
+                  epochs: float = MAX_EPOCHS) -> dict[str, float]:
     """Predicted seconds per stage; model loads and writes are spread over the stages by FIXED_S / 4."""
     tokens = prompts * sample_tokens(max_tokens)
     fixed = FIXED_S / 4
@@ -171,26 +174,20 @@ def stage_seconds(rates: Rates, prompts: int, max_tokens: int, eval_prompts: int
 
 def plan_run(minutes: float, rates: Rates, batch: int, max_tokens: int = ANSWER_TOKENS,
              spent_s: float = 0.0) -> Plan:
-    """The most prompts (a multiple of 8) whose stages fit the budget less `spent_s` (measuring) at EPOCHS; when
-    not one batch fits, shorter answers first, down to a floor that still trains something. What is left then buys
-    epochs, up to MAX_EPOCHS."""
+    """The most prompts (a multiple of 8) whose stages fit the budget less `spent_s` (measuring) at MAX_EPOCHS; when
+    not one batch fits, shorter answers first, down to a floor that still trains something."""
     budget = minutes * 60 - spent_s
     n_eval = eval_prompts_for(minutes)
 
-    def fits(prompts: int, tokens: int, epochs: float = EPOCHS) -> bool:
-        return sum(stage_seconds(rates, prompts, tokens, n_eval, batch, epochs).values()) <= budget
+    def fits(prompts: int, tokens: int) -> bool:
+        return sum(stage_seconds(rates, prompts, tokens, n_eval, batch).values()) <= budget
 
     while max_tokens > 64 and not fits(batch, max_tokens):
         max_tokens -= 16
     prompts = 8
     while fits(prompts + 8, max_tokens):
         prompts += 8
-    tenths = round(10 * EPOCHS)
-    while tenths < round(10 * MAX_EPOCHS) and fits(prompts, max_tokens, (tenths + 1) / 10):
-        tenths += 1
-    epochs = tenths / 10
-    return Plan(minutes, prompts, max_tokens, n_eval, epochs,
-                stage_seconds(rates, prompts, max_tokens, n_eval, batch, epochs))
+    return Plan(minutes, prompts, max_tokens, n_eval, stage_seconds(rates, prompts, max_tokens, n_eval, batch))
 
 
 def scaled(rates: Rates, speed: float) -> Rates:

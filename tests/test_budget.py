@@ -9,7 +9,6 @@ import pytest
 
 from eyas.layout import default_aux_layers
 from orchestration.budget import (
-    EPOCHS,
     MAX_EPOCHS,
     VAL_PASSES,
     Rates,
@@ -58,13 +57,15 @@ def test_prompts_run_in_the_fewest_balanced_batches_and_a_part_batch_costs_its_s
     assert 2 * (generate[1] - generate[0]) > generate[2] - generate[1] > (generate[1] - generate[0]) / 48
 
 
-def test_the_time_left_buys_epochs_up_to_the_cap():
+def test_prompts_are_sized_for_the_most_epochs_training_runs():
+    # training's share holds MAX_EPOCHS over the planned prompts: generation that outruns its probe leaves epochs
     for minutes in (10, 30, 60):
         plan = plan_run(minutes, QUIET, batch=BATCH)
-        assert EPOCHS <= plan.epochs <= MAX_EPOCHS and sum(plan.seconds.values()) <= minutes * 60
-        if plan.epochs < MAX_EPOCHS:  # a tenth of an epoch more would not have fitted
-            more = stage_seconds(QUIET, plan.num_prompts, plan.max_tokens, plan.eval_prompts, BATCH, plan.epochs + 0.1)
-            assert sum(more.values()) > minutes * 60
+        at_max = stage_seconds(QUIET, plan.num_prompts, plan.max_tokens, plan.eval_prompts, BATCH, MAX_EPOCHS)
+        assert plan.seconds == at_max and f"{MAX_EPOCHS:g} epochs" in plan.describe()
+        # sized at half the epochs, more prompts would have fitted: the epochs, not the prompts, bound the plan
+        half = stage_seconds(QUIET, plan.num_prompts + 8, plan.max_tokens, plan.eval_prompts, BATCH, MAX_EPOCHS / 2)
+        assert sum(half.values()) <= minutes * 60
 
 
 def test_answers_too_long_for_one_batch_are_shortened():
