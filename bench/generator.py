@@ -11,6 +11,7 @@ shards at the end are the same for every size of job and are left out. The numbe
 trips' worth at the server's full batch.
 
     .venv/bin/python bench/generator.py --concurrency 64 200 1000
+    .venv/bin/python bench/generator.py --concurrency 200 --faults 20 --repeat 5  # one row, median of 5 runs
     .venv/bin/python bench/generator.py --workers 1 2 4 --concurrency 200
     .venv/bin/python bench/generator.py --fast  # client CPU: requests/s against an endpoint answering in 20 ms
 
@@ -165,18 +166,22 @@ def compare(args, server: str, faulty: str, concurrency: int, tmp: Path) -> list
     best = min(walls, key=lambda c: walls[c]["wall"])
     rows = []
     for label, url in (("none", server), ("20 %", faulty)):
-        plain = walls[best] if url == server else _run(
-            server, lambda url=url: {"retries": asyncio.run(bare(url, n, best, args.max_tokens, timeout))})
-        with tempfile.TemporaryDirectory(dir=tmp) as t:
-            ours = _run(server, lambda url=url, t=t: eyas(url, [prompts], concurrency, args.max_tokens, timeout,
-                                                          Path(t)))
-        rows.append({"C": concurrency, "faults": label, "prompts": n, "best": best, "bare": plain["wall"],
-                     "eyas": ours["wall"], "ratio": ours["wall"] / plain["wall"], "lost": ours["lost"],
-                     "duplicated": ours["duplicated"], "dead": ours["dead"], "to_steady": ours["to_steady"],
-                     "bare_to_steady": plain["to_steady"], "batch": ours["steady_batch"]})
-        r = rows[-1]
-        print(f"  faults {label}: bare {r['bare']:.1f} s, eyas {r['eyas']:.1f} s (x{r['ratio']:.3f}), "
-              f"steady after {r['to_steady']:.1f} s", flush=True)
+        if label.split()[0] not in args.faults:
+            continue
+        for run in range(args.repeat):  # faults are drawn per request: one run is one draw of who waits longest
+            plain = walls[best] if url == server and run == 0 else _run(
+                server, lambda url=url: {"retries": asyncio.run(bare(url, n, best, args.max_tokens, timeout))})
+            with tempfile.TemporaryDirectory(dir=tmp) as t:
+                ours = _run(server, lambda url=url, t=t: eyas(url, [prompts], concurrency, args.max_tokens, timeout,
+                                                              Path(t)))
+            rows.append({"C": concurrency, "faults": label, "run": run + 1, "prompts": n, "best": best,
+                         "bare": plain["wall"], "eyas": ours["wall"], "ratio": ours["wall"] / plain["wall"],
+                         "lost": ours["lost"], "duplicated": ours["duplicated"], "dead": ours["dead"],
+                         "to_steady": ours["to_steady"], "bare_to_steady": plain["to_steady"],
+                         "batch": ours["steady_batch"]})
+            r = rows[-1]
+            print(f"  faults {label}, run {run + 1}: bare {r['bare']:.1f} s, eyas {r['eyas']:.1f} s "
+                  f"(x{r['ratio']:.3f}), steady after {r['to_steady']:.1f} s", flush=True)
     return rows
 
 
@@ -254,7 +259,10 @@ def main() -> None:
                     "(the client's CPU per request); --concurrency 32 and --prompts 1200 unless given")
     ap.add_argument("--answer-ms", type=float, default=20.0, help="--fast: every answer's latency")
     ap.add_argument("--prompts", type=int, default=1200, help="--fast: prompts per run")
-    ap.add_argument("--repeat", type=int, default=1, help="--fast: runs (bare, then eyas, each time)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each row (bare, then eyas, each time); with "
+                    "more than one, the table ends with each row's median ratio")
+    ap.add_argument("--faults", nargs="+", choices=("none", "20"), default=["none", "20"],
+                    help="the rows to run: without faults, with 20 %% of requests faulted, or both")
     ap.add_argument("--no-metrics", action="store_true", help="the endpoint publishes no queue: latency steers")
     args = ap.parse_args()
     args.concurrency = args.concurrency or ([32] if args.fast else [64, 200, 1000])
@@ -292,12 +300,18 @@ def main() -> None:
             p.kill()
     print(f"\n{args.slots}-slot endpoint, {args.token_ms} ms/token alone, x{args.slowdown} at a full batch, "
           f"max_tokens {args.max_tokens}, {'no queue published' if args.no_metrics else 'queue on /metrics'}")
-    print("| C | faults | prompts | best fixed C (bare) | bare (s) | eyas (s) | eyas / bare | lost | duplicated | "
+    print("| C | faults | run | prompts | best fixed C (bare) | bare (s) | eyas (s) | eyas / bare | lost | duplicated | "
           "dead-lettered | eyas steady after (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['C']} | {r['faults']} | {r['prompts']} | {r['best']} | {r['bare']:.1f} | {r['eyas']:.1f} | "
-              f"{r['ratio']:.3f} | {r['lost']} | {r['duplicated']} | {r['dead']} | {r['to_steady']:.1f} |")
+        print(f"| {r['C']} | {r['faults']} | {r['run']} | {r['prompts']} | {r['best']} | {r['bare']:.1f} | "
+              f"{r['eyas']:.1f} | {r['ratio']:.3f} | {r['lost']} | {r['duplicated']} | {r['dead']} | "
+              f"{r['to_steady']:.1f} |")
+    if args.repeat > 1:
+        for (c, label), group in itertools.groupby(rows, key=lambda r: (r["C"], r["faults"])):
+            ratios = [r["ratio"] for r in group]
+            print(f"C = {c}, faults {label}: median eyas / bare {statistics.median(ratios):.3f} over {len(ratios)} "
+                  f"runs ({min(ratios):.3f}–{max(ratios):.3f})")
 
 
 if __name__ == "__main__":
