@@ -187,3 +187,20 @@ def test_a_probe_that_read_a_busy_machine_does_not_give_evaluation_the_budget():
     assert quiet["evaluate"] <= EVAL_SHARE and sum(quiet.values()) == pytest.approx(1.0)
     assert busy["evaluate"] == pytest.approx(EVAL_SHARE) and sum(busy.values()) == pytest.approx(1.0)
     assert busy["generate"] > 0.8 * quiet["generate"]  # generation, where τ is bought, keeps most of its share
+
+
+def test_the_probe_keeps_each_rates_fastest_reading_so_a_hog_in_one_reading_does_not_set_the_shares():
+    from dataclasses import replace
+
+    from orchestration.budget import first_shares, plan_run
+    from orchestration.probe import fastest
+
+    # a hog that ended during the first reading's decoding: only that rate read 4x slow (measured: 42 tok/s, 184 quiet)
+    hogged = replace(QUIET, decode_tok_s=QUIET.decode_tok_s / 4, decode_half_tok_s=QUIET.decode_half_tok_s / 4)
+    later = scaled(QUIET, 0.9)
+    rates = fastest([hogged, later])
+    assert rates == replace(later, forward_tok_s=QUIET.forward_tok_s, train_tok_s=QUIET.train_tok_s,
+                            val_tok_s=QUIET.val_tok_s, step_s=QUIET.step_s)
+    quiet = first_shares(plan_run(10, QUIET, 96).seconds)["generate"]
+    assert first_shares(plan_run(10, hogged, 96).seconds)["generate"] > quiet + 0.15  # one reading: training starves
+    assert first_shares(plan_run(10, rates, 96).seconds)["generate"] == pytest.approx(quiet, abs=0.03)
