@@ -165,8 +165,8 @@ def compare(args, server: str, faulty: str, concurrency: int, tmp: Path) -> list
         print(f"  bare at {c:5d}: {r['wall']:6.1f} s", flush=True)
     best = min(walls, key=lambda c: walls[c]["wall"])
     rows = []
-    for label, url in (("none", server), ("20 %", faulty)):
-        if label.split()[0] not in args.faults:
+    for key, label, url in (("none", "none", server), ("20", "20 %", faulty)):
+        if key not in args.faults:
             continue
         for run in range(args.repeat):  # faults are drawn per request: one run is one draw of who waits longest
             plain = walls[best] if url == server and run == 0 else _run(

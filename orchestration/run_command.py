@@ -155,7 +155,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(plan.describe())
     # At most this many prompts: without --num-prompts the generation deadline decides how many there are (the
     # plan's count is a forecast from the first seconds). At least 8 batches: a probe that read a hogged machine at
-    # 46 tok/s planned 8 prompts, and a cap of 2 batches stopped generation at 192 with half its share left
+    # 46 tok/s planned 8 prompts, and a cap of 2 batches stopped generation at 192 with a third of its share left
     most_prompts = args.num_prompts or max(4 * plan.num_prompts, 8 * args.batch)
     train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS}
     if args.train_steps:
