@@ -84,8 +84,8 @@ def one_run(variant: str, repeat: int, minutes: float, workdir: Path) -> dict:
     row["eval_prompts"] = int(re.search(r"K = \d+, (\d+) MT-bench prompts", out)[1])
     drafter = re.search(r"^  train\s+succeeded.*?(file://\S+)$", out, re.M)[1]
     dataset = re.search(r"^  generate\s+succeeded.*?(file://\S+)$", out, re.M)[1]
-    row["prompts"] = json.loads(Path(unquote(urlparse(dataset).path), "manifest.json").read_text())["counts"][
-        "conversations"]
+    counts = json.loads(Path(unquote(urlparse(dataset).path), "manifest.json").read_text())["counts"]
+    row["prompts"], row["synthesized"] = counts["conversations"], counts["prompts"]
     row["drafter"] = unquote(urlparse(drafter).path)
     row["steps"] = json.loads(Path(row["drafter"], "manifest.json").read_text())["counts"]["steps"]
     return row
@@ -141,7 +141,8 @@ def main() -> None:
     for row, tau in zip(ok, score_80([r["drafter"] for r in ok]), strict=True):
         row["tau_80"] = tau
     (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
-    print("| variant | run | wall (s) | of budget | probe decode (tok/s) | planned prompts | prompts | train steps | "
+    print("| variant | run | wall (s) | of budget | probe decode (tok/s) | planned prompts | prompts (of synthesized) | "
+          "train steps | "
           "eval prompts | τ (run) | τ (80, replay) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -149,7 +150,7 @@ def main() -> None:
             print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | failed: {row['error'][-200:]!r} |||||||")
             continue
         print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | {row['wall_s'] / row['budget_s']:.1%} | "
-              f"{row['probe_decode']:.0f} | {row['planned_prompts']} | {row['prompts']} | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
+              f"{row['probe_decode']:.0f} | {row['planned_prompts']} | {row['prompts']} ({row.get('synthesized', '?')}) | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
               f"{row['tau_80']:.3f} |")
     within = all(r["wall_s"] <= 1.05 * r["budget_s"] for r in ok)
     used = all(r["wall_s"] >= 0.90 * r["budget_s"] for r in ok)

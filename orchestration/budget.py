@@ -203,12 +203,6 @@ def speed(predicted_s: float, took_s: float) -> float:
     return min(8.0, max(1 / 8, predicted_s / max(took_s, 1e-3)))
 
 
-def synth_share(max_tokens: int) -> float:
-    """Synthesis's share of generation's time: its steps per kept prompt against the answer's."""
-    synth = SYNTH_DRAWS * SYNTH_TOKENS
-    return synth / (synth + ANSWER_STEP_COST * max_tokens)
-
-
 @dataclass(frozen=True)
 class Done:
     """What the stages so far produced: `samples` conversations, `tokens` in them as extraction and training see

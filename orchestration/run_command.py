@@ -135,7 +135,6 @@ def run_pipeline(args: argparse.Namespace) -> int:
         replan,
         scaled,
         stage_seconds,
-        synth_share,
         train_steps,
         val_interval,
     )
@@ -175,13 +174,10 @@ def run_pipeline(args: argparse.Namespace) -> int:
     replanned: dict[str, float] = {}
     jobs = []
 
-    # generation: its share of what is left, synthesis first (its share of that), then the answers
+    # generation: its share of what is left (synthesized prompts come a batch at a time, each answered before the
+    # next is drawn: services/generator/gather.py)
     eval_cap = EVAL_SHARE * (end - time.time())
-    share = first_shares(plan.seconds)["generate"] * (end - time.time())
-    now = time.time()
-    spec["finish_by"] = now + share
-    if not args.prompts:
-        spec["synthesize_by"] = now + share * synth_share(max_tokens)
+    spec["finish_by"] = time.time() + first_shares(plan.seconds)["generate"] * (end - time.time())
     jobs += runner.run_job("generate", spec)
     generated = jobs[-1]
     if generated.state != "succeeded":

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from eyas.deadline import Deadline, Pace
+from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from orchestration.budget import Done, Rates, replan, scaled, speed
 from orchestration.embedded import EmbeddedRunner
@@ -140,6 +141,21 @@ def test_generation_stops_taking_prompts_it_cannot_finish_and_keeps_whole_ones(r
     records = [json.loads(line) for name in sorted(out.names()) if name.startswith("conversations-")
                for line in out.get_bytes(name).decode().splitlines()]
     assert len(records) == m["completed"] and all(r["messages"][-1]["role"] == "assistant" for r in records)
+
+
+def test_synthesizing_generation_answers_each_batch_before_drawing_the_next(runner):
+    t0 = time.time()
+    spec = {"synthesize": 200, "held_out": None, "concurrency": 4, "sampling": {"max_tokens": 16},
+            "finish_by": t0 + 40.0}  # in-process, the bundled target: a round of 4 candidates takes ~5-10 s here
+    [job] = runner.run_job("generate", spec)
+    assert job.state == "succeeded", job.error
+    m, counts = job.metrics, read_manifest(job_output(runner.store, job)).counts
+    # several batches answered, and at most the last one's prompts synthesized but unanswered (all at once, the
+    # synthesis would have run to the deadline and left one batch of answers)
+    assert m["completed"] > 4 and m["unreached"] <= 4, (m, counts)
+    assert counts["prompts"] == m["completed"] + m["failed"] + m["unreached"] < 200
+    assert counts["synth_rounds"] >= 3
+    assert time.time() - t0 < 40.0 + 10.0
 
 
 @pytest.fixture(scope="module")

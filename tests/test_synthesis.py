@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
+import time
 
 import pytest
 
@@ -12,7 +14,7 @@ from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.settings import Settings
 from eyas.target import BUNDLED, load_tokenizer
 from services.generator.engine import Completion, InProcessEngine
-from services.generator.gather import gather_prompts
+from services.generator.gather import gather_prompts, prompt_batches
 from services.generator.spec import SamplingParams, Spec
 from services.generator.synthesize import pre_query_text, synthesize_prompts
 from services.generator.task_mix import TASK_OPENERS, task_openers
@@ -76,6 +78,40 @@ def test_synthesis_draws_in_chunks_sized_to_what_is_still_needed():
     assert fake.calls == [8, 8, 5] and counts["sampled"] == 21
     capped, _ = asyncio.run(synthesize_prompts(_Scripted(), load_tokenizer(BUNDLED), 10, chunk=8, max_candidates=12))
     assert len(capped) == 6  # 12 candidates at most, half of them usable
+
+
+def _batches(spec: Spec, saved=None, answer_s=lambda: 0.0, stop_after: int = 100):
+    async def collect():
+        out = []
+        async for got, counts in prompt_batches(spec, _Scripted(), load_tokenizer(BUNDLED), Settings(), saved,
+                                                answer_s):
+            out.append((got, dict(counts)))
+            if len(out) == stop_after:
+                break
+        return out
+
+    return asyncio.run(collect())
+
+
+def test_a_synthesizing_job_with_a_deadline_gets_its_prompts_a_batch_at_a_time():
+    spec = Spec(synthesize=20, concurrency=8, held_out=None, finish_by=time.time() + 3600)
+    got = _batches(spec)
+    assert [len(b) for b, _ in got] == [8, 8, 4]  # a batch each (the scripted engine keeps half of each round)
+    ids = [p.id for b, _ in got for p in b]
+    assert len(set(ids)) == 20
+    assert got[-1][1]["synth_kept"] == got[-1][1]["source:synth"] == 20
+    # the surplus of a round is the next batch's start: 8-candidate rounds, 4 kept each, so 2 rounds a batch
+    assert [c["synth_rounds"] for _, c in got] == [2, 4, 5]
+    # resumed after the first batch: the saved prompts first, then new ones after them (new ids, the counts go on)
+    first, counts = got[0]
+    resumed = _batches(spec, {"prompts": [dataclasses.asdict(p) for p in first], "counts": counts})
+    assert resumed[0][0] == first and sum(len(b) for b, _ in resumed) == 20
+    assert not {p.id for b, _ in resumed[1:] for p in b} & {p.id for p in first}
+    # no batch is drawn whose answers would end after the deadline: here the first batch's took 3,600 s
+    answered = iter([0.0])  # (no answers yet when the first batch is drawn)
+    assert [len(b) for b, _ in _batches(spec, answer_s=lambda: next(answered, 3600.0))] == [8]
+    # without a deadline (or with prompt files, or a mix) the prompts come all at once, as before
+    assert [len(b) for b, _ in _batches(Spec(synthesize=20, concurrency=8, held_out=None))] == [20]
 
 
 class _Recording(_Scripted):

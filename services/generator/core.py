@@ -24,7 +24,7 @@ from eyas.prompts import Prompt
 from eyas.stage import StageContext, StageResult
 from eyas.target import load_tokenizer, tokenizer_hash
 from services.generator.engine import Engine, HttpEngine, InProcessEngine
-from services.generator.gather import gather_prompts
+from services.generator.gather import prompt_batches
 from services.generator.generate import Generator
 from services.generator.journal import Journal
 from services.generator.probe import check_endpoint
@@ -63,11 +63,12 @@ def _most_in_flight(spec: Spec, ctx: StageContext) -> int:
 
 async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict[str, Prompt], work: Work,
                     journal: Journal, already: int, coordinator: bool) -> dict[str, int]:
+    """A helper's share of a job: the prompts `work` hands out."""
     throttle = _make_throttle(spec, ctx)
     try:
         gen = Generator(spec, engine, throttle, journal, ctx)
         await gen.run(prompts, work, already, coordinator)
-        return {**gen.stats, "stopped_at_deadline": int(gen.stopped_at_deadline)}
+        return gen.stats
     finally:
         await throttle.aclose()
 
@@ -108,25 +109,40 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             if isinstance(engine, HttpEngine):  # before the first request: the endpoint must serve the target
                 ctx.metrics.update(await check_endpoint(engine, tokenizer, spec.target,
                                                         spec.sampling.chat_template_kwargs))
-            if ctx.output.exists(PROMPTS_FILE):  # resume: the same prompts, not a fresh synthesis
-                saved = saved_prompts(ctx.output)
-                prompts, source_counts = [Prompt(**p) for p in saved["prompts"]], saved["counts"]
-            else:
-                prompts, source_counts = await gather_prompts(spec, engine, tokenizer, ctx.settings)
-                ctx.output.put_bytes(PROMPTS_FILE, json.dumps(
-                    {"prompts": [dataclasses.asdict(p) for p in prompts], "counts": source_counts}).encode())
+            # resume: the same prompts, not a fresh synthesis (and, where they come in batches, more after them)
+            saved = saved_prompts(ctx.output) if ctx.output.exists(PROMPTS_FILE) else None
             done = journal.load()
             if done:
-                log.info("resuming: %d of %d prompts already finished", len(done), len(prompts))
-            pending = {p.id: p for p in prompts if p.id not in done}
-            work = _share_work(spec, ctx, list(pending))
-            journal.on_commit = work.finished
+                log.info("resuming: %d prompts already finished", len(done))
+            throttle = _make_throttle(spec, ctx)
+            gen = Generator(spec, engine, throttle, journal, ctx)
+            prompts: list[Prompt] = []
+            shared: dict[str, int] = {}
+            pending_count = 0
+            source_counts: dict[str, int] = {}
+            batches = prompt_batches(spec, engine, tokenizer, ctx.settings, saved, gen.pace.seconds)
             try:
-                stats = await _generate(spec, ctx, engine, pending, work, journal, len(done), coordinator=True)
-                shared = work.shared_stats()  # what the helpers counted
+                async for got, source_counts in batches:
+                    prompts += got
+                    ctx.output.put_bytes(PROMPTS_FILE, json.dumps(  # before they are handed out: resumable
+                        {"prompts": [dataclasses.asdict(p) for p in prompts], "counts": source_counts}).encode())
+                    pending = {p.id: p for p in got if p.id not in done}
+                    pending_count += len(pending)
+                    work = _share_work(spec, ctx, list(pending))
+                    journal.on_commit = work.finished
+                    try:
+                        await gen.run(pending, work, len(prompts) - len(pending), coordinator=True)
+                        for k, v in work.shared_stats().items():  # what the helpers counted
+                            shared[k] = shared.get(k, 0) + v
+                    finally:
+                        work.close()
+                    if gen.stopped_at_deadline:
+                        break
             finally:
-                work.close()
-            return prompts, source_counts, stats, shared, len(pending), set(done)
+                await batches.aclose()
+                await throttle.aclose()
+            stats = {**gen.stats, "stopped_at_deadline": int(gen.stopped_at_deadline)}
+            return prompts, source_counts, stats, shared, pending_count, set(done)
         finally:
             await engine.aclose()
 

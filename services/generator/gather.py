@@ -1,6 +1,11 @@
 """The job's prompts from every source (prompt files, synthesis, weighted mixes), with held-out evaluation prompts
-dropped and counted."""
+dropped and counted; for a job that only synthesizes, to a deadline, in batches each answered before the next is
+drawn."""
 from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
 
 from eyas.deadline import Deadline
 from eyas.neardup import NearDupIndex
@@ -8,8 +13,10 @@ from eyas.prompts import Prompt, load_prompt_source
 from eyas.settings import Settings
 from services.generator.engine import Engine
 from services.generator.spec import Spec
-from services.generator.synthesize import synthesize_prompts
+from services.generator.synthesize import Synthesizer, synthesize_prompts
 from services.generator.task_mix import task_openers
+
+log = logging.getLogger(__name__)
 
 
 def quotas(weights: list[float], total: int) -> list[int]:
@@ -21,10 +28,54 @@ def quotas(weights: list[float], total: int) -> list[int]:
     return out
 
 
+def _held_out(spec: Spec, settings: Settings) -> list[str]:
+    return [t for p in load_prompt_source(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
+
+
+def in_batches(spec: Spec) -> bool:
+    """Whether the job's prompts come a batch at a time: a job that only synthesizes, to a deadline. Each batch is
+    answered before the next is drawn, so a slow spell costs a batch, not the answers to every prompt synthesized
+    first (bench/README.md, "A budget on a busy machine": 149 of 245 went unanswered)."""
+    return bool(spec.finish_by and spec.synthesize and not spec.prompts and not spec.mix)
+
+
+async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settings, saved: dict | None,
+                         answer_s: Callable[[], float]) -> AsyncIterator[tuple[list[Prompt], dict[str, int]]]:
+    """The job's prompts as (new prompts, the counts of all so far): those `saved` by an earlier run of the job
+    first; then, all at once (gather_prompts), or, where `in_batches`, a batch of `spec.concurrency` at a time, each
+    drawn only while its synthesis and its answers (`answer_s()`: seconds a batch of answers takes, 0 before the
+    first) still end by the deadline."""
+    counts: dict[str, int] = dict(saved["counts"]) if saved else {}
+    known = [Prompt(**p) for p in saved["prompts"]] if saved else []
+    if saved:
+        yield known, counts
+    if not in_batches(spec):
+        if not saved:
+            yield await gather_prompts(spec, engine, tokenizer, settings)
+        return
+    held = _held_out(spec, settings)
+    synth_counts = {k.removeprefix("synth_"): v for k, v in counts.items() if k.startswith("synth_")}
+    synth = Synthesizer(engine, tokenizer, spec.synthesize, seed=spec.synth_seed, held_out=held,
+                        chunk=spec.concurrency, turns=spec.synth_turns, answer_sampling=spec.sampling,
+                        openers=task_openers() if spec.synth_openers is None else spec.synth_openers,
+                        known=[t for p in known for t in p.user_turns], counts=synth_counts)
+    while True:
+        finish_by = min(spec.synthesize_by or math.inf, spec.finish_by - answer_s())
+        if Deadline(finish_by).left() <= 0:  # (a resumed job's first round too)
+            return
+        got = await synth.take(spec.concurrency, Deadline(finish_by))
+        if not got:
+            return
+        log.info("synthesized %d prompts (%d so far): %s", len(got), synth.counts["kept"], synth.counts)
+        counts.update({f"synth_{k}": v for k, v in synth.counts.items()},
+                      held_out_dropped=synth.counts["held_out"], **{"source:synth": synth.counts["kept"]})
+        yield got, counts
+
+
 async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
                          settings: Settings) -> tuple[list[Prompt], dict[str, int]]:
     """The job's prompts from every source, with held-out (evaluation) prompts dropped and counted."""
-    held = [t for p in load_prompt_source(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
+    held = _held_out(spec, settings)
     guard = NearDupIndex(held)
     counts: dict[str, int] = {"held_out_dropped": 0}
     if spec.mix:

@@ -14,9 +14,9 @@ not kept; the generator regenerates every assistant turn.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
+import time
 
 from eyas.deadline import Deadline, Pace
 from eyas.neardup import NearDupIndex
@@ -51,67 +51,101 @@ def acceptable(text: str, min_chars: int = 12, max_chars: int = 2000, min_ascii:
     return None
 
 
+class Synthesizer:
+    """Draws prompts from the target in rounds of at most `chunk` candidates, `n` in all (or until `max_candidates`,
+    default 4n + 8, were drawn), and hands them out `take()` by `take()`; the state across takes (the near-duplicate
+    index, the round numbers that seed each round and name its prompts, the counts) is what lets a job answer each
+    take before drawing the next. `known`: user turns of prompts already handed out (a resumed job's), `counts`:
+    theirs. Candidate i's request starts with openers[i % len(openers)] (none: free sampling;
+    services.generator.task_mix)."""
+
+    def __init__(self, engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
+                 sampling: SamplingParams | None = None, chunk: int = 8, max_candidates: int | None = None,
+                 system: str | None = None, turns: int = 1, answer_sampling: SamplingParams | None = None,
+                 openers: list[str] = (), known: list[str] = (), counts: dict[str, int] | None = None):
+        self.engine, self.tokenizer, self.n, self.seed, self.chunk = engine, tokenizer, n, seed, chunk
+        self.sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
+        self.max_candidates = max_candidates or 4 * n + 8
+        self.system, self.turns, self.openers = system, turns, list(openers)
+        self.answer_sampling = answer_sampling or SamplingParams(max_tokens=256)
+        self.prefix = pre_query_text(tokenizer, system)
+        self.seen = NearDupIndex(list(known))
+        self.guard = NearDupIndex(list(held_out))
+        self.counts = {"sampled": 0, "kept": 0, "rounds": 0, "no_end_of_turn": 0, "too_short": 0, "too_long": 0,
+                       "language": 0, "near_duplicate": 0, "held_out": 0, **(counts or {})}
+        self.surplus: list[Prompt] = []  # kept by a round but beyond what its take asked for: the next take's first
+        self.pace = Pace()  # seconds per round of candidates
+        self.stopped = False  # a round would have ended after its take's deadline
+
+    def _exhausted(self) -> bool:
+        return self.counts["kept"] + len(self.surplus) >= self.n or self.counts["sampled"] >= self.max_candidates
+
+    async def take(self, want: int, deadline: Deadline = Deadline(None)) -> list[Prompt]:
+        """Up to `want` more prompts (each with its follow-ups where turns > 1): rounds are drawn until they are
+        kept, the `n` are reached, or the next round would end after `deadline` (the first round is always drawn)."""
+        while len(self.surplus) < want and not self._exhausted():
+            if self.pace.known and not deadline.fits(self.pace.seconds()):
+                log.info("synthesis: stopped at its deadline with %d of %d prompts kept",
+                         self.counts["kept"] + len(self.surplus), self.n)
+                self.stopped = True
+                break
+            await self._draw_round()
+        kept, self.surplus = self.surplus[:want], self.surplus[want:]
+        self.counts["kept"] += len(kept)
+        if self.turns > 1 and kept:
+            counts = await _add_follow_ups(self.engine, self.tokenizer, kept, self.turns, self.sampling,
+                                           self.answer_sampling, self.guard, self.system)
+            for k, v in counts.items():
+                self.counts[k] = self.counts.get(k, 0) + v
+        return kept
+
+    async def _draw_round(self) -> None:
+        """One round of candidates: sized by the acceptance seen so far near the end (a batch costs its rows, so
+        draw little beyond need), its acceptable requests onto the surplus."""
+        counts, rnd = self.counts, self.counts["rounds"]
+        have = counts["kept"] + len(self.surplus)
+        accepted = have / counts["sampled"] if counts["sampled"] else 1.0
+        needed = math.ceil((self.n - have) * 1.1 / max(accepted, 0.1))
+        size = min(self.chunk, self.max_candidates - counts["sampled"], needed)
+        params = self.sampling.model_copy(update={"seed": (self.sampling.seed or 0) + 1_000_003 * rnd})
+        log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, have, self.n)
+        starts = [self.openers[(counts["sampled"] + i) % len(self.openers)] if self.openers else ""
+                  for i in range(size)]
+        t0 = time.monotonic()
+        outs = await self.engine.complete_many([self.prefix + o for o in starts], params)
+        self.pace.add(time.monotonic() - t0)  # the round's own time (a job may answer a take between rounds)
+        counts["sampled"] += size
+        counts["rounds"] += 1
+        for i, (start, c) in enumerate(zip(starts, outs, strict=True)):
+            text = (start + c.content).strip()
+            reason = "no_end_of_turn" if c.finish_reason != "stop" else acceptable(text)
+            if reason is None and self.guard.find(text) is not None:
+                reason = "held_out"
+            if reason is None and self.seen.find(text) is not None:
+                reason = "near_duplicate"
+            if reason is not None:
+                counts[reason] += 1
+                continue
+            self.seen.add(text)
+            self.surplus.append(Prompt(id=f"synth:{self.seed}:{rnd}:{i}", user_turns=[text], source="synth",
+                                       meta={"finish_reason": c.finish_reason, "opener": start,
+                                             "sampling": params.model_dump(exclude={"chat_template_kwargs"})}))
+            if counts["kept"] + len(self.surplus) == self.n:
+                break
+
+
 async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
                              sampling: SamplingParams | None = None, chunk: int = 8,
                              max_candidates: int | None = None, system: str | None = None, turns: int = 1,
                              answer_sampling: SamplingParams | None = None,
                              openers: list[str] = (), deadline: Deadline = Deadline(None),
                              ) -> tuple[list[Prompt], dict[str, int]]:
-    """Sample candidates, at most `chunk` at a time, until `n` distinct acceptable requests are kept (or
-    `max_candidates`, default 4n + 8, were drawn, or the next round would end after `deadline`: the first round
-    is always drawn); then up to `turns - 1` follow-ups for each. Candidate i's
-    request starts with openers[i % len(openers)] (none: free sampling; services.generator.task_mix). Returns the
-    prompts and the counts of what was drawn, dropped and why."""
-    sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
-    max_candidates = max_candidates or 4 * n + 8
-    prefix = pre_query_text(tokenizer, system)
-    seen = NearDupIndex()
-    guard = NearDupIndex(list(held_out))
-    kept: list[Prompt] = []
-    counts = {"sampled": 0, "kept": 0, "no_end_of_turn": 0, "too_short": 0, "too_long": 0, "language": 0,
-              "near_duplicate": 0, "held_out": 0}
-    pace = Pace(deadline.clock)
-    pace.mark()
-    for rnd in itertools.count():
-        if len(kept) >= n or counts["sampled"] >= max_candidates:
-            break
-        if pace.known and not deadline.fits(pace.seconds()):
-            log.info("synthesis: stopped at its deadline with %d of %d prompts kept", len(kept), n)
-            counts["stopped_at_deadline"] = 1
-            break
-        # size the last chunks by the acceptance seen so far: a batch costs its rows, so draw little beyond need
-        accepted = len(kept) / counts["sampled"] if counts["sampled"] else 1.0
-        needed = math.ceil((n - len(kept)) * 1.1 / max(accepted, 0.1))
-        size = min(chunk, max_candidates - counts["sampled"], needed)
-        params = sampling.model_copy(update={"seed": (sampling.seed or 0) + 1_000_003 * rnd})
-        log.info("synthesis: sampling %d candidate requests (%d of %d kept so far)", size, len(kept), n)
-        starts = [openers[(counts["sampled"] + i) % len(openers)] if openers else "" for i in range(size)]
-        outs = await engine.complete_many([prefix + o for o in starts], params)
-        pace.mark()
-        counts["sampled"] += size
-        for i, (start, c) in enumerate(zip(starts, outs, strict=True)):
-            text = (start + c.content).strip()
-            if c.finish_reason != "stop":
-                counts["no_end_of_turn"] += 1
-                continue
-            reason = acceptable(text)
-            if reason is None and guard.find(text) is not None:
-                reason = "held_out"
-            if reason is None and seen.find(text) is not None:
-                reason = "near_duplicate"
-            if reason is not None:
-                counts[reason] += 1
-                continue
-            seen.add(text)
-            kept.append(Prompt(id=f"synth:{seed}:{rnd}:{i}", user_turns=[text], source="synth",
-                               meta={"finish_reason": c.finish_reason, "opener": start,
-                                     "sampling": params.model_dump(exclude={"chat_template_kwargs"})}))
-            if len(kept) == n:
-                break
-    counts["kept"] = len(kept)
-    if turns > 1:
-        counts.update(await _add_follow_ups(engine, tokenizer, kept, turns, sampling, answer_sampling or
-                                            SamplingParams(max_tokens=256), guard, system))
+    """`n` distinct acceptable requests at once (a Synthesizer's one take; fewer when its candidates or
+    `deadline` run out), and the counts of what was drawn, dropped and why."""
+    synth = Synthesizer(engine, tokenizer, n, seed, held_out, sampling, chunk, max_candidates, system, turns,
+                        answer_sampling, openers)
+    kept = await synth.take(n, deadline)
+    counts = {**synth.counts, **({"stopped_at_deadline": 1} if synth.stopped else {})}
     log.info("synthesized %d prompts: %s", len(kept), counts)
     return kept, counts
 
