@@ -14,6 +14,8 @@ from orchestration.budget import Done, Rates, replan, scaled, speed
 from orchestration.embedded import EmbeddedRunner
 from orchestration.execution import job_output
 from services.evaluator.core import Cutoff, spread_order
+from services.generator.generate import Generator
+from services.generator.spec import Spec as GenerateSpec
 from services.trainer.spec import CPU_PRESET
 from services.trainer.train import _deadline_total, lr_at
 from tests.datasets import CONVERSATIONS, write_records
@@ -59,6 +61,16 @@ def _simulate(step_s, most: int, budget_s: float, val_s: float = 0.0) -> tuple[l
         if total != totals[-1]:
             totals.append(total)
     return totals, clock.now + val_s, deadline.finish_by
+
+
+def test_generation_starts_a_prompt_while_half_of_it_fits():
+    gen = Generator(GenerateSpec(prompts="bundled:sharegpt", finish_by=time.time() + 30.0), None, None, None, None)
+    assert not gen._past_deadline()  # nothing measured yet: the first prompt always starts
+    gen.pace.add(50.0)  # a unit of 50 s: 25 of them fit in the 30 s left
+    assert not gen._past_deadline()
+    gen.pace.add(90.0)  # now 70 s a unit: 35 do not
+    assert gen._past_deadline() and gen.stopped_at_deadline
+    assert not Generator(GenerateSpec(prompts="bundled:sharegpt"), None, None, None, None)._past_deadline()
 
 
 def test_the_schedule_is_sized_to_the_steps_that_fit_and_resized_when_the_step_time_drifts():

@@ -35,6 +35,15 @@ def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | Non
     return shrunk if shrunk < full_s else None
 
 
+# A prompt is started while this share of its time (as long as recent ones took) still fits before the deadline: a
+# unit that is large against the deadline (in-process, a batch of answers is ~55 s of generation's ~220 s) would
+# otherwise be dropped whole when the time left is a little short of it. The answers to a synthesized batch are
+# what its synthesis was for: a hog from minute 3 of a 10-minute run slowed one batch's synthesis so that its
+# answers fitted 34 s of their 56, and dropping them halved the run's data (τ 1.232 against 1.298 quiet,
+# bench/README.md "A budget on a busy machine"). At a half, the last unit ends at the deadline on average.
+START_WHILE_FITS = 0.5
+
+
 class Unstarted(Exception):
     """A prompt whose first request was not sent: the job's deadline came while it waited for a slot."""
 
@@ -56,9 +65,9 @@ class Generator:
         self.stopped_at_deadline = False
 
     def _past_deadline(self) -> bool:
-        """Whether a prompt started now would end after the job's deadline (as long as recent ones took): then this
-        process takes no more."""
-        if self.deadline and not self.deadline.fits(self.pace.seconds()):
+        """Whether less than START_WHILE_FITS of a prompt started now (as long as recent ones took) would end by the
+        job's deadline: then this process takes no more."""
+        if self.deadline and not self.deadline.fits(START_WHILE_FITS * self.pace.seconds()):
             self.stopped_at_deadline = True
         return self.stopped_at_deadline
 

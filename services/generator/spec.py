@@ -91,8 +91,8 @@ class Spec(StageSpec):
     checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part (resume granularity)")
     max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
                              "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
-    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is started that "
-                                    "would not finish by then (as long as the last ones took), and the job ends "
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is started unless "
+                                    "half of it would finish by then (as long as the last ones took), and the job ends "
                                     "with the conversations it has (the rest counted as `unreached`). A job that only synthesizes then "
                                     "draws its prompts a batch (`concurrency`) at a time, each answered before the next")
     synthesize_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline for synthesis, Unix seconds: no round "
