@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from eyas.deadline import Deadline
 from eyas.neardup import NearDupIndex
 from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.settings import Settings
@@ -16,7 +17,7 @@ from eyas.target import BUNDLED, load_tokenizer
 from services.generator.engine import Completion, InProcessEngine
 from services.generator.gather import gather_prompts, prompt_batches
 from services.generator.spec import SamplingParams, Spec
-from services.generator.synthesize import pre_query_text, synthesize_prompts
+from services.generator.synthesize import Synthesizer, pre_query_text, synthesize_prompts
 from services.generator.task_mix import TASK_OPENERS, task_openers
 
 
@@ -91,6 +92,16 @@ def _batches(spec: Spec, saved=None, answer_s=lambda: 0.0, stop_after: int = 100
         return out
 
     return asyncio.run(collect())
+
+
+def test_a_take_past_its_deadline_hands_out_the_surplus_and_draws_nothing():
+    fake, tok = _Scripted(), load_tokenizer(BUNDLED)
+    synth = Synthesizer(fake, tok, 100, chunk=8)
+    assert len(asyncio.run(synth.take(3))) == 3 and fake.calls == [8]  # a round keeps 4: one left over
+    past = Deadline(time.time() - 1)
+    assert [p.id for p in asyncio.run(synth.take(3, past))] == ["synth:0:0:7"] and fake.calls == [8]
+    assert asyncio.run(synth.take(3, past)) == [] and fake.calls == [8]
+    assert asyncio.run(Synthesizer(_Scripted(), tok, 100, chunk=8).take(3, past)) == []  # not even a first round
 
 
 def test_a_synthesizing_job_with_a_deadline_gets_its_prompts_a_batch_at_a_time():

@@ -120,7 +120,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             shared: dict[str, int] = {}
             pending_count = 0
             source_counts: dict[str, int] = {}
-            batches = prompt_batches(spec, engine, tokenizer, ctx.settings, saved, gen.pace.seconds)
+            batches = prompt_batches(spec, engine, tokenizer, ctx.settings, saved, gen.must_fit_s)
             try:
                 async for got, source_counts in batches:
                     prompts += got

@@ -42,9 +42,10 @@ def in_batches(spec: Spec) -> bool:
 async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settings, saved: dict | None,
                          answer_s: Callable[[], float]) -> AsyncIterator[tuple[list[Prompt], dict[str, int]]]:
     """The job's prompts as (new prompts, the counts of all so far): those `saved` by an earlier run of the job
-    first; then, all at once (gather_prompts), or, where `in_batches`, a batch of `spec.concurrency` at a time, each
-    drawn only while its synthesis and its answers (`answer_s()`: seconds a batch of answers takes, 0 before the
-    first) still end by the deadline."""
+    first; then, all at once (gather_prompts), or, where `in_batches`, a batch of `spec.concurrency` at a time: a
+    round of candidates is drawn only while it and `answer_s()` (seconds of a batch's answers that must fit for them
+    to start, 0 before the first) still end by the deadline; what earlier rounds kept beyond their batch is handed
+    out even when no round fits (the generator answers it while it may start)."""
     counts: dict[str, int] = dict(saved["counts"]) if saved else {}
     known = [Prompt(**p) for p in saved["prompts"]] if saved else []
     if saved:
@@ -61,8 +62,6 @@ async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settin
                         known=[t for p in known for t in p.user_turns], counts=synth_counts)
     while True:
         finish_by = min(spec.synthesize_by or math.inf, spec.finish_by - answer_s())
-        if Deadline(finish_by).left() <= 0:  # (a resumed job's first round too)
-            return
         got = await synth.take(spec.concurrency, Deadline(finish_by))
         if not got:
             return

@@ -40,7 +40,8 @@ def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | Non
 # otherwise be dropped whole when the time left is a little short of it. The answers to a synthesized batch are
 # what its synthesis was for: a hog from minute 3 of a 10-minute run slowed one batch's synthesis so that its
 # answers fitted 34 s of their 56, and dropping them halved the run's data (τ 1.232 against 1.298 quiet,
-# bench/README.md "A budget on a busy machine"). At a half, the last unit ends at the deadline on average.
+# bench/README.md "A budget on a busy machine"). At a half, the last unit ends at the deadline on average. Synthesis
+# draws a round only while it and this share of its batch's answers fit (services/generator/gather.py).
 START_WHILE_FITS = 0.5
 
 
@@ -64,10 +65,14 @@ class Generator:
         self.pace = Pace(window=64)
         self.stopped_at_deadline = False
 
+    def must_fit_s(self) -> float:
+        """Seconds before the deadline a prompt needs to be started (0 before the first one ended)."""
+        return START_WHILE_FITS * self.pace.seconds()
+
     def _past_deadline(self) -> bool:
         """Whether less than START_WHILE_FITS of a prompt started now (as long as recent ones took) would end by the
         job's deadline: then this process takes no more."""
-        if self.deadline and not self.deadline.fits(START_WHILE_FITS * self.pace.seconds()):
+        if self.deadline and not self.deadline.fits(self.must_fit_s()):
             self.stopped_at_deadline = True
         return self.stopped_at_deadline
 

@@ -82,9 +82,10 @@ class Synthesizer:
 
     async def take(self, want: int, deadline: Deadline = Deadline(None)) -> list[Prompt]:
         """Up to `want` more prompts (each with its follow-ups where turns > 1): rounds are drawn until they are
-        kept, the `n` are reached, or the next round would end after `deadline` (the first round is always drawn)."""
+        kept, the `n` are reached, or the next round would end after `deadline` (the first round is drawn unless the
+        deadline has passed); the surplus of earlier rounds is handed out either way."""
         while len(self.surplus) < want and not self._exhausted():
-            if self.pace.known and not deadline.fits(self.pace.seconds()):
+            if (self.pace.known or deadline.left() <= 0) and not deadline.fits(self.pace.seconds()):
                 log.info("synthesis: stopped at its deadline with %d of %d prompts kept",
                          self.counts["kept"] + len(self.surplus), self.n)
                 self.stopped = True
