@@ -32,6 +32,13 @@ def _held_out(spec: Spec, settings: Settings) -> list[str]:
     return [t for p in load_prompt_source(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
 
 
+def _synthesis(spec: Spec, held: list[str]) -> dict:
+    """How the spec synthesizes: the Synthesizer's (and synthesize_prompts') settings beside the engine and count."""
+    return {"seed": spec.synth_seed, "held_out": held, "chunk": spec.concurrency, "turns": spec.synth_turns,
+            "answer_sampling": spec.sampling,
+            "openers": task_openers() if spec.synth_openers is None else spec.synth_openers}
+
+
 def in_batches(spec: Spec) -> bool:
     """Whether the job's prompts come a batch at a time: a job that only synthesizes, to a deadline. Each batch is
     answered before the next is drawn, so a slow spell costs a batch, not the answers to every prompt synthesized
@@ -56,9 +63,7 @@ async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settin
         return
     held = _held_out(spec, settings)
     synth_counts = {k.removeprefix("synth_"): v for k, v in counts.items() if k.startswith("synth_")}
-    synth = Synthesizer(engine, tokenizer, spec.synthesize, seed=spec.synth_seed, held_out=held,
-                        chunk=spec.concurrency, turns=spec.synth_turns, answer_sampling=spec.sampling,
-                        openers=task_openers() if spec.synth_openers is None else spec.synth_openers,
+    synth = Synthesizer(engine, tokenizer, spec.synthesize, **_synthesis(spec, held),
                         known=[t for p in known for t in p.user_turns], counts=synth_counts)
     while True:
         finish_by = min(spec.synthesize_by or math.inf, spec.finish_by - answer_s())
@@ -86,12 +91,7 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
     prompts: list[Prompt] = []
     for source, quota in sources:
         if source == "synth":
-            got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, seed=spec.synth_seed,
-                                                         held_out=held, chunk=spec.concurrency,
-                                                         turns=spec.synth_turns,
-                                                         answer_sampling=spec.sampling,
-                                                         openers=task_openers() if spec.synth_openers is None
-                                                         else spec.synth_openers,
+            got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, **_synthesis(spec, held),
                                                          deadline=Deadline(spec.synthesize_by or spec.finish_by))
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]

@@ -92,9 +92,10 @@ class Spec(StageSpec):
     max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
                              "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
     finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is started unless "
-                                    "half of it would finish by then (as long as the last ones took), and the job ends "
-                                    "with the conversations it has (the rest counted as `unreached`). A job that only synthesizes then "
-                                    "draws its prompts a batch (`concurrency`) at a time, each answered before the next")
+                                    "half of it would finish by then (as long as the last ones took), and the job "
+                                    "ends with the conversations it has (the rest counted as `unreached`). A job "
+                                    "that only synthesizes then draws its prompts a batch (`concurrency`) at a time, "
+                                    "each answered before the next")
     synthesize_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline for synthesis, Unix seconds: no round "
                                         "of candidates is drawn that would not end by then (default: finish_by)")
 
