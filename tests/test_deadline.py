@@ -3,6 +3,7 @@ step time drifts, the evaluator's cutoff, the run's re-plan), and each stage kee
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from eyas.deadline import Deadline, Pace
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
+from eyas.target import BUNDLED, load_tokenizer
 from orchestration.budget import Done, Rates, replan, scaled, speed
 from orchestration.embedded import EmbeddedRunner
 from orchestration.execution import job_output
@@ -131,6 +133,7 @@ def test_a_replan_gives_training_what_extraction_and_evaluation_leave():
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> EmbeddedRunner:
+    load_tokenizer(BUNDLED)  # converts the bundled target on first use: not inside a timed job's deadline
     return EmbeddedRunner(Settings(workdir=tmp_path_factory.mktemp("deadline"),
                                    input_roots=[tmp_path_factory.getbasetemp()]))
 
@@ -148,26 +151,29 @@ def test_generation_stops_taking_prompts_it_cannot_finish_and_keeps_whole_ones(r
     assert job.state == "succeeded", job.error
     m = job.metrics
     assert 4 <= m["completed"] < 400 and m["unreached"] == 400 - m["completed"] - m["failed"] > 0
-    assert took < 3.0 + 3.0, took  # the deadline, the answers in flight, the artifact
+    # the deadline, the answers in flight, the artifact; all 400 would take ~30 s (the bound is loose: a loaded CI
+    # host is slow to load the tokenizer and write the shards, and `completed < 400` already shows the stop)
+    assert took < 3.0 + 12.0, took
     out = job_output(runner.store, job)
     records = [json.loads(line) for name in sorted(out.names()) if name.startswith("conversations-")
                for line in out.get_bytes(name).decode().splitlines()]
     assert len(records) == m["completed"] and all(r["messages"][-1]["role"] == "assistant" for r in records)
 
 
-def test_synthesizing_generation_answers_each_batch_before_drawing_the_next(runner):
-    t0 = time.time()
-    spec = {"synthesize": 200, "held_out": None, "concurrency": 4, "sampling": {"max_tokens": 16},
-            "finish_by": t0 + 40.0}  # in-process, the bundled target: a round of 4 candidates takes ~5-10 s here
-    [job] = runner.run_job("generate", spec)
+def test_synthesizing_generation_answers_each_batch_before_drawing_the_next(runner, caplog):
+    # a deadline far off, so what the job does does not hang on this host's speed: two batches of 2, each drawn
+    # (rounds of 2 candidates) and answered in turn; when and whether a batch is drawn near the deadline is
+    # test_synthesis's, on a scripted engine
+    spec = {"synthesize": 4, "held_out": None, "concurrency": 2, "sampling": {"max_tokens": 8},
+            "finish_by": time.time() + 900.0}
+    with caplog.at_level(logging.INFO, logger="services.generator.gather"):
+        [job] = runner.run_job("generate", spec)
     assert job.state == "succeeded", job.error
     m, counts = job.metrics, read_manifest(job_output(runner.store, job)).counts
-    # several batches answered, and at most the last one's prompts synthesized but unanswered (all at once, the
-    # synthesis would have run to the deadline and left one batch of answers)
-    assert m["completed"] > 4 and m["unreached"] <= 4, (m, counts)
-    assert counts["prompts"] == m["completed"] + m["failed"] + m["unreached"] < 200
-    assert counts["synth_rounds"] >= 3
-    assert time.time() - t0 < 40.0 + 10.0
+    assert m["completed"] == counts["prompts"] == counts["source:synth"] == 4 and m["unreached"] == 0, (m, counts)
+    drawn = [r.getMessage() for r in caplog.records if r.getMessage().startswith("synthesized ")]
+    assert [d.split(" (")[0] for d in drawn] == ["synthesized 2 prompts"] * 2, drawn
+    assert counts["synth_rounds"] >= 2
 
 
 @pytest.fixture(scope="module")
