@@ -112,8 +112,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
             # resume: the same prompts, not a fresh synthesis (and, where they come in batches, more after them)
             saved = saved_prompts(ctx.output) if ctx.output.exists(PROMPTS_FILE) else None
             done = journal.load()
-            if done:
-                log.info("resuming: %d prompts already finished", len(done))
+            if done:  # (a job's prompts are saved before any is handed out, so `saved` is there)
+                log.info("resuming: %d of %d prompts already finished", len(done), len(saved["prompts"]))
             throttle = _make_throttle(spec, ctx)
             gen = Generator(spec, engine, throttle, journal, ctx)
             prompts: list[Prompt] = []
