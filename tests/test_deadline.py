@@ -161,9 +161,9 @@ def test_generation_stops_taking_prompts_it_cannot_finish_and_keeps_whole_ones(r
 
 
 def test_synthesizing_generation_answers_each_batch_before_drawing_the_next(runner, caplog):
-    # a deadline far off, so what the job does does not hang on this host's speed: two batches of 2, each drawn
-    # (rounds of 2 candidates) and answered in turn; when and whether a batch is drawn near the deadline is
-    # test_synthesis's, on a scripted engine
+    # a deadline far off, so the outcome does not depend on this host's speed: two batches of 2, each drawn (rounds
+    # of 2 candidates) and answered in turn; when a batch is drawn near the deadline, and that its answers come
+    # before the next draw, is tested in test_synthesis on a scripted engine
     spec = {"synthesize": 4, "held_out": None, "concurrency": 2, "sampling": {"max_tokens": 8},
             "finish_by": time.time() + 900.0}
     with caplog.at_level(logging.INFO, logger="services.generator.gather"):
