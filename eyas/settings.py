@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # runs again, not a cap on task length: a running task holds its job's lease, renewed every third of this, and a
     # worker's sweep requeues a running job whose lease lapsed (orchestration.lease, orchestration.tasks).
     visibility_timeout_s: float = Field(60.0, gt=0)
+    # How many runs a job gets whose worker dies under it (killed, out of memory, its machine gone): past that the
+    # job fails, saying so, where it would otherwise be sent to the queue again and again.
+    max_job_runs: int = Field(3, ge=1)
     # How often each worker sweeps for jobs whose lease lapsed (and the broker for its expired deliveries).
     lease_sweep_s: float = Field(2.0, gt=0)
 

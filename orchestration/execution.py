@@ -238,6 +238,14 @@ def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings,
         return job
     if job.cancel_requested:
         return transition(jobs, job_id, "cancelled")
+    if job.state == "running" and job.attempts >= settings.max_job_runs:
+        # Every run so far ended with its worker gone (a run that ends by itself leaves "running"): the worker is
+        # killed by what the job does, most often the kernel's OOM killer at the container's memory limit.
+        return transition(jobs, job_id, "failed", error=(
+            f"its worker died during each of its {job.attempts} runs (the last on {job.worker}), without an error "
+            "of the job's own: a worker killed this way is most often out of memory (the container's OOMKilled "
+            "flag, `docker inspect`, says so); give the worker more memory or the job smaller batches "
+            f"(EYAS_MAX_JOB_RUNS={settings.max_job_runs} runs are tried)"))
     stage = get_stage(job.stage)
     job = transition(jobs, job_id, "running", attempts=job.attempts + 1, worker=this_worker())
     output = output or job_output(store, job)

@@ -117,3 +117,19 @@ def test_concurrent_writers_lose_nothing(jobs):
     final = jobs.get(job.id)
     assert final.metrics == {"a": 60, "b": 60, "c": 60}
     assert final.cancel_requested and final.state == "running"
+
+
+def test_a_job_whose_worker_keeps_dying_fails_saying_so(tmp_path):
+    """A run that its worker did not survive leaves the job "running"; the run that finds EYAS_MAX_JOB_RUNS of those
+    behind it fails the job with the reason (an OOM-killed worker would otherwise be fed the same job forever)."""
+    from eyas.settings import Settings
+    from eyas.store import LocalStore
+    from orchestration.execution import execute
+
+    jobs = SqliteJobStore(tmp_path / "jobs.sqlite")
+    settings = Settings(workdir=tmp_path, max_job_runs=2)
+    job = _new(jobs)
+    transition(jobs, job.id, "running", attempts=2, worker="host-a:7")  # two runs, each ended by its worker's death
+    done = execute(job.id, jobs, LocalStore(tmp_path / "store"), settings, dispatch=lambda *_: None)
+    assert done.state == "failed" and done.attempts == 2
+    assert "died during each of its 2 runs (the last on host-a:7)" in done.error and "memory" in done.error
