@@ -25,8 +25,6 @@ from eyas.windows import shard_windows
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_GB = 64.0
-
 
 class WindowCache:
     """Local copies of a run of windows: `enter(window, upcoming)` returns the window's local paths once fetched,
