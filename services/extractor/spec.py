@@ -42,8 +42,9 @@ class Spec(StageSpec):
     overlong: Literal["truncate", "skip"] = Field("truncate", description="a sample longer than max_length: "
                                                   "truncate it to max_length, or skip it (counted in the manifest)")
     batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per forward batch")
-    shard_mb: int = Field(256, ge=1, le=4096, description="MiB of features per shard file, the unit a trainer's "
-                          "cache holds and a stream hands off")
+    shard_mb: int = Field(256, ge=1, le=4096, description="most MiB of features in a shard file (a shard closes "
+                          "before the sample that would pass it; a sample bigger than this gets a shard of its own): "
+                          "the unit a trainer's cache holds and a stream hands off")
     dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
                              "CPU). Features are stored in bf16 either way")
     engine: Literal["auto", "vllm", "transformers"] = Field(
