@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, OFFSETS, Layout, LayoutMismatc
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
-from eyas.target import BUNDLED, load_target
+from eyas.target import BUNDLED, load_target, resolve_target
 from orchestration.embedded import EmbeddedRunner
 from services.extractor.core import layout_for
+from services.extractor.vllm_backend import Engine, EngineConfig
 from tests.datasets import write_dataset
 
 
@@ -82,6 +84,19 @@ def test_shards_stay_within_shard_mb(tmp_path, caplog):
     assert len(over) == 1 and all(samples[name] == 1 for name in over)  # the long sample's, alone
     assert sum(s.input_ids.numel() for s in reader.samples()) == read_manifest(reader.artifact).counts["tokens"]
     assert any("t7" in r.getMessage() and "shard_mb" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_capture_engine_is_reported_with_its_logs_last_lines(tmp_path, capfd):
+    """The capture engine's own output goes to a log file, not to the terminal; an engine that dies is reported
+    with that file's path and last lines. (Fault injection: this environment's Python, which has no vLLM.)"""
+    config = EngineConfig(python=sys.executable, target=str(resolve_target(BUNDLED)), aux_layers=(1, 14, 26),
+                          num_layers=30, dtype="float32", tensor_parallel_size=1, max_model_len=64)
+    with pytest.raises(RuntimeError, match="capture engine exited") as failed:
+        Engine(config, check=lambda: None, log_dir=tmp_path / "logs")
+    [log] = (tmp_path / "logs").iterdir()
+    assert "No module named 'vllm'" in log.read_text()  # the engine's traceback, in its log
+    assert str(log) in str(failed.value) and "No module named 'vllm'" in str(failed.value)
+    assert "No module named" not in capfd.readouterr().err  # nothing of it on this process's stderr
 
 
 def test_wrong_tokenizer_dataset_refused(tmp_path):
