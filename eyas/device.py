@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from eyas.defaults import DTypeName
 from eyas.settings import Settings
-
-DTypeName = Literal["auto", "float32", "bfloat16"]
 
 
 @dataclass(frozen=True)

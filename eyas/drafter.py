@@ -26,13 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's optional norms, as config.json names them
-
-
-def check_norm_flags(norm_before_fc: bool, fc_norm: bool) -> None:
-    """The two fc norms exclude each other (speculators refuses both too)."""
-    if norm_before_fc and fc_norm:
-        raise ValueError("norm_before_fc and fc_norm are alternatives: one norm over all aux layers, or one each")
+from eyas.defaults import NORM_FLAGS, check_norm_flags
 
 
 @dataclass(kw_only=True)

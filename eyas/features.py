@@ -44,6 +44,15 @@ def shard_bytes(tokens: int, width: int) -> int:
     return tokens * (width * 2 + 5)
 
 
+SHARD_HEADER_BYTES = 1024  # safetensors' header of a shard's five tensors (about 450 bytes), at most
+
+
+def shard_file_bytes(tokens: int, samples: int, width: int) -> int:
+    """A shard file's size, at most, for `samples` samples of `tokens` tokens in all: their rows, the offsets,
+    the header."""
+    return shard_bytes(tokens, width) + 8 * (samples + 1) + SHARD_HEADER_BYTES
+
+
 class ShardBuffer:
     """Accumulates samples and flushes a shard file when it passes `max_bytes`."""
 

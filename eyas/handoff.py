@@ -52,7 +52,7 @@ class StreamAborted(RuntimeError):
 
 class ShardPlan(BaseModel):
     name: str
-    bytes: int  # planned (the samples' eyas.features.shard_bytes; the file adds a small header)
+    bytes: int  # planned: the file's size at most (eyas.features.shard_file_bytes)
     samples: int
 
 

@@ -3,8 +3,8 @@
 A features artifact can be far larger than a trainer node's disk (32 KiB a token for an 8B target). So a reader
 does not copy it first: each epoch it visits the shards in windows that fit half the cache, in an order shuffled by
 (seed, epoch), and while the caller works through one window the next one is fetched in the background. The local
-copy never holds more than the current window and the next, at most the cache's size (or one shard, where a single
-shard is bigger than half of it), and the caller keeps only the current window's tensors in memory.
+copy never holds more than the current window and the next, at most the cache's size (a cache that cannot hold two
+of the shards is refused up front), and the caller keeps only the current window's tensors in memory.
 
 Where the whole artifact fits half the cache, an epoch is one window in artifact order: every sample is shuffled with
 every other, as a reader without a cap would, and the shards are fetched once for the whole run.
@@ -24,8 +24,6 @@ from eyas.handoff import release
 from eyas.windows import shard_windows
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CACHE_GB = 64.0
 
 
 class WindowCache:
@@ -83,6 +81,17 @@ class WindowCache:
         self._join()
 
 
+def check_cache(sizes: dict[str, int], cache_bytes: int) -> None:
+    """A window holds whole shards, so a cache is a bound only where the largest shard fits half of it (the window
+    read and the next one fetched)."""
+    name, largest = max(sizes.items(), key=lambda kv: kv[1], default=("", 0))
+    if 2 * largest > cache_bytes:
+        raise ValueError(f"cache_gb={cache_bytes / (1 << 30):g} cannot hold the features' shard {name} "
+                         f"({largest / (1 << 20):.1f} MiB) twice over (the window read and the next one fetched): "
+                         f"raise cache_gb to at least {2 * largest / (1 << 30):.3g}, or lower the extract job's "
+                         "shard_mb and extract again")
+
+
 class FeatureStream:
     """A features artifact read window by window through a WindowCache of `cache_bytes` (see the module doc).
 
@@ -95,6 +104,7 @@ class FeatureStream:
     def __init__(self, reader: FeatureReader, cache_bytes: int):
         self.reader, self.cache_bytes = reader, cache_bytes
         self.sizes = reader.sizes
+        check_cache(self.sizes, cache_bytes)
         # everything fits one window: read once, kept for the whole run
         self.whole = reader.stream is None and len(shard_windows(self.sizes, cache_bytes, None)) <= 1
         self._epoch_of: dict[str, int] = {}  # the epoch whose object a local shard copy is fetched from

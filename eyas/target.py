@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from eyas.defaults import BUNDLED
 from eyas.device import CPU, Placement
 from eyas.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-BUNDLED = "bundled:smollm2-135m-instruct"
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled target's model on the Hugging Face hub
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A Hugging Face hub model id, owner/name (no path: not absolute, no '.' or '..' segments)

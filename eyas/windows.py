@@ -15,7 +15,8 @@ def epoch_order(names: list[str], seed: int | None, epoch: int) -> list[str]:
 
 
 def cut_windows(order: list[str], sizes: dict[str, int], window_bytes: int) -> list[list[str]]:
-    """`order` cut into consecutive windows of at most `window_bytes` (one shard at least)."""
+    """`order` cut into consecutive windows of at most `window_bytes` (one shard at least: a reader's cache refuses
+    a shard bigger than a window, eyas.streaming.check_cache)."""
     windows: list[list[str]] = []
     used = window_bytes + 1  # start a window at the first shard
     for name in order:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass
-from typing import Literal
 
 from eyas.features import shard_bytes
+from orchestration.run_command import FeaturesPolicy
 from services.evaluator.spec import Spec as EvalSpec
 from services.evaluator.steptime import STEP_TIMES_S
 from services.trainer.data import total_steps
@@ -62,10 +62,6 @@ VAL_PASSES = 10
 # probe that read a busy machine (4x slow) would otherwise give it half of a 10-minute budget, and generation, where
 # τ is bought, a third. Quiet, it takes about 0.17; under a deadline the evaluator scores what its share allows.
 EVAL_SHARE = 0.2
-# cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
-# trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
-FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
-FEATURES_POLICIES = ("auto", *typing.get_args(FeaturesPolicy))  # auto: cache when the features fit the store
 
 
 @dataclass(frozen=True)

@@ -108,34 +108,34 @@ def _run_stage(stage: str, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orchestration.registry import get_stage
+    """Every command's flags, from the stages' specs alone: no stage, torch or transformers is imported here (a
+    command imports its stage when it runs)."""
+    from orchestration.registry import stage_doc, stage_spec
+    from orchestration.run_command import add_run_arguments
 
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from orchestration.run_command import add_run_arguments
-
     add_run_arguments(sub.add_parser("run", help="generate → extract → train → evaluate, embedded",
                                      description="Run the whole pipeline on one machine and write a report."))
     for stage in STAGE_COMMANDS:
-        st = get_stage(stage)
-        doc = (sys.modules[st.run.__module__].__doc__ or "").strip()
+        doc = stage_doc(stage).strip()
         first = doc.split("\n\n")[0].split(". ")[0].replace("\n", " ").rstrip(".") if doc else stage
         p = sub.add_parser(stage, help=first, description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_spec_arguments(p, st.spec_cls)
+        add_spec_arguments(p, stage_spec(stage))
         p.add_argument("--out", type=Path, help="write the artifact into this directory (default: the workdir store)")
         p.add_argument("--workdir", type=Path, help="embedded store and job records (default: ./eyas-work)")
         p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
     for name, what in (("api", "serve a stage's job API (HTTP)"), ("worker", "run a stage's Celery worker")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("--stage", required=True, choices=list(STAGE_COMMANDS))
+        p.add_argument("--stage", required=True, choices=list(STAGE_COMMANDS), help="the stage it serves")
         if name == "api":
-            p.add_argument("--host", default="127.0.0.1")
-            p.add_argument("--port", type=int, default=8000)
+            p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+            p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
         else:
-            p.add_argument("--concurrency", type=int, default=1)
+            p.add_argument("--concurrency", type=int, default=1,
+                           help="pool processes, each running one job at a time (default: %(default)s)")
     return parser
 
 

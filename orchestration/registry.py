@@ -4,10 +4,13 @@ writes. Routes, Celery tasks, the CLI and `eyas run` find a stage here and run i
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, create_model
@@ -25,6 +28,14 @@ _MODULES = {
     "train": "services.trainer.core",
     "evaluate": "services.evaluator.core",
     "diagnose": "services.evaluator.diagnose",
+}
+# stage → the module with its Spec alone, which imports no torch: the CLI builds a command's flags from it
+_SPEC_MODULES = {
+    "generate": "services.generator.spec",
+    "extract": "services.extractor.spec",
+    "train": "services.trainer.spec",
+    "evaluate": "services.evaluator.spec",
+    "diagnose": "services.evaluator.diagnose_spec",
 }
 ARTIFACT_DIRS = {"generate": "datasets", "extract": "features", "train": "drafters", "evaluate": "reports",
                  "diagnose": "diagnoses"}
@@ -53,6 +64,17 @@ def get_stage(name: str) -> Stage:
     mod = importlib.import_module(_MODULES[name])
     return Stage(name=name, spec_cls=mod.Spec, run=mod.run, input_field=mod.INPUT_FIELD,
                  assist=getattr(mod, "assist", None), artifact_models=getattr(mod, "ARTIFACT_MODELS", {}))
+
+
+def stage_spec(name: str) -> type[StageSpec]:
+    """Stage `name`'s job spec, without importing the stage (torch, transformers): get_stage(name).spec_cls."""
+    return importlib.import_module(_SPEC_MODULES[name]).Spec
+
+
+def stage_doc(name: str) -> str:
+    """The docstring of the module that runs stage `name`, read from its source rather than by importing it."""
+    source = Path(importlib.util.find_spec(_MODULES[name]).origin).read_text(encoding="utf-8")
+    return ast.get_docstring(ast.parse(source)) or ""
 
 
 def _not_here(why: str) -> Any:

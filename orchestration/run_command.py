@@ -16,15 +16,17 @@ import json
 import math
 import shutil
 import time
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
-from eyas.target import BUNDLED
-
-if TYPE_CHECKING:
-    from orchestration.budget import FeaturesPolicy
+from eyas.defaults import BUNDLED
 
 METHODS = ("eagle3", "peagle", "dflash")  # the trainer's (services.trainer.spec.Spec.method)
+# cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
+# trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
+FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
+FEATURES_POLICIES = ("auto", *typing.get_args(FeaturesPolicy))  # auto: cache when the features fit the store
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +47,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=None, help="trainer steps (default: the trainer's CPU default)")
     p.add_argument("--eval-prompts", type=int, default=None,
                    help="MT-bench prompts to evaluate on (default: the budget's plan, 20 at 10 minutes)")
-    from orchestration.budget import FEATURES_POLICIES
-
     p.add_argument("--features-policy", choices=FEATURES_POLICIES, default="auto",
                    help="how the features reach training: cache (extract them all, then train), first_epoch (train on "
                    "the shards as they land and keep them for later epochs), recompute (extract every epoch again "
@@ -66,7 +66,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
 
 
 def _positive(text: str) -> float:

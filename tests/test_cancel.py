@@ -291,7 +291,7 @@ def test_generate_on_an_endpoint_lets_its_requests_in_flight_go(runner, tmp_path
 
 def test_extract_cancelled_between_forward_batches_leaves_whole_shards_and_no_manifest(runner, tmp_path):
     data = write_records(tmp_path / "data", _conversations(240))
-    spec = {"data": data, "batch_tokens": 256, "shard_mb": 1}  # a shard every 2 or 3 batches
+    spec = {"data": data, "batch_tokens": 256, "shard_mb": 1}  # about a shard a forward batch
     record, took = _cancel_mid_work(runner, "extract", spec, _reported(1000))
     _cancelled(record, took)
     out = job_output(runner.store, record)

@@ -2,6 +2,7 @@
 stack, and every command's --help prints."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import pytest
 
 import eyas
 from orchestration.cli import build_parser, main
+from orchestration.registry import STAGES, get_stage, stage_spec
 
 SERVICE_STACK = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "httpx", "prometheus_client",
                  "minio", "tenacity")
@@ -54,3 +56,50 @@ def test_every_help_prints(command, capsys):
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith("usage: eyas") and len(text.splitlines()) > 3
+
+
+@pytest.mark.parametrize("command", [[], ["train"]], ids=lambda c: " ".join(c) or "eyas")
+def test_help_imports_no_stage(command):
+    """`eyas --help` builds every command's flags from the specs alone: no stage, torch or transformers is
+    imported until a command runs (they take seconds to import)."""
+    code = textwrap.dedent(f"""
+        import contextlib, io, sys
+        from orchestration.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            try:
+                main({[*command, "--help"]!r})
+            except SystemExit as e:
+                assert e.code == 0, e.code
+        assert "--" in out.getvalue()
+        heavy = ("torch", "transformers", "services.generator.core", "services.extractor.core",
+                 "services.trainer.core", "services.evaluator.core", "services.evaluator.diagnose")
+        print(sorted(m for m in heavy if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _options(parser, path: str):
+    """(command, option, help) for every option of the parser and of its subcommands."""
+    for action in parser._actions:
+        if action.choices and isinstance(action.choices, dict):  # the subcommands
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings and action.dest != "help":
+            yield path, action.option_strings[-1], action.help
+
+
+def test_every_option_says_what_it_does():
+    """Every flag of every command has help beyond its default (a spec field without a description would show
+    only "(default: …)")."""
+    options = list(_options(build_parser(), "eyas"))
+    assert len(options) > 100 and {o for _, o, _ in options} >= {"--shard-mb", "--cache-gb", "--concurrency"}
+    bare = [f"{command} {option}" for command, option, text in options
+            if not re.sub(r"\(default: [^)]*\)$", "", (text or "").strip()).strip()]
+    assert not bare, f"options without help: {bare}"
+
+
+def test_the_cli_reads_each_stage_spec():
+    """The spec module the CLI builds a command from holds the very spec the stage runs with."""
+    assert all(stage_spec(name) is get_stage(name).spec_cls for name in STAGES)

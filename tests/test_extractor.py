@@ -3,19 +3,22 @@ the layout, and every reader refuses features of another layout."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
 import pytest
 import torch
 
 from eyas.capture import capture
 from eyas.features import FeatureReader
-from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, Layout, LayoutMismatch, default_aux_layers
+from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, OFFSETS, Layout, LayoutMismatch, default_aux_layers
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
-from eyas.target import BUNDLED, load_target
+from eyas.target import BUNDLED, load_target, resolve_target
 from orchestration.embedded import EmbeddedRunner
 from services.extractor.core import layout_for
+from services.extractor.vllm_backend import Engine, EngineConfig
 from tests.datasets import write_dataset
 
 
@@ -63,6 +66,37 @@ def test_extract_writes_layout_checked_shards(tmp_path):
     other = Layout.from_dict({**m.layout, "aux_layers": [2, 15, 27]})
     with pytest.raises(LayoutMismatch, match="aux_layers"):
         FeatureReader(art, expected=other)
+
+
+def test_shards_stay_within_shard_mb(tmp_path, caplog):
+    """A shard closes before the sample that would take it past shard_mb, inside a forward batch too; only a sample
+    bigger than shard_mb on its own passes it, alone in its shard and with a warning."""
+    convs = [(f"Question {i}?", "word " * (20 + 15 * i)) for i in range(7)] + [("Long?", "word " * 400)]
+    data = write_dataset(tmp_path / "data", conversations=convs)
+    with caplog.at_level(logging.WARNING, logger="services.extractor.plan"):
+        job = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
+            "extract", {"data": data, "shard_mb": 1, "batch_tokens": 8192}, output_dir=tmp_path / "feat")[0]
+    assert job.state == "succeeded"
+    reader = FeatureReader(open_artifact(str(tmp_path / "feat")))
+    samples = {name: len(reader.load_shard(name)[OFFSETS]) - 1 for name in reader.shards}
+    assert sum(samples.values()) == len(convs) and len(samples) >= 3  # one forward batch (8192 tokens), split
+    over = {name for name, size in reader.sizes.items() if size > 1 << 20}
+    assert len(over) == 1 and all(samples[name] == 1 for name in over)  # the long sample's, alone
+    assert sum(s.input_ids.numel() for s in reader.samples()) == read_manifest(reader.artifact).counts["tokens"]
+    assert any("t7" in r.getMessage() and "shard_mb" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_capture_engine_is_reported_with_its_logs_last_lines(tmp_path, capfd):
+    """The capture engine's own output goes to a log file, not to the terminal; an engine that dies is reported
+    with that file's path and last lines. (Fault injection: this environment's Python, which has no vLLM.)"""
+    config = EngineConfig(python=sys.executable, target=str(resolve_target(BUNDLED)), aux_layers=(1, 14, 26),
+                          num_layers=30, dtype="float32", tensor_parallel_size=1, max_model_len=64)
+    with pytest.raises(RuntimeError, match="capture engine exited") as failed:
+        Engine(config, check=lambda: None, log_dir=tmp_path / "logs")
+    [log] = (tmp_path / "logs").iterdir()
+    assert "No module named 'vllm'" in log.read_text()  # the engine's traceback, in its log
+    assert str(log) in str(failed.value) and "No module named 'vllm'" in str(failed.value)
+    assert "No module named" not in capfd.readouterr().err  # nothing of it on this process's stderr
 
 
 def test_wrong_tokenizer_dataset_refused(tmp_path):

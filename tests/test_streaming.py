@@ -151,3 +151,21 @@ def test_training_through_a_small_cache_resumes_exactly(tmp_path):
     whole = run("whole")
     again = run("crashed", crash_at=6)
     assert [e["loss"] for e in again["train"]] == pytest.approx([e["loss"] for e in whole["train"]], rel=1e-5)
+
+
+@pytest.mark.parametrize("shards_held", [0.5, 1.5])
+def test_a_cache_that_cannot_hold_two_shards_is_refused_up_front(tmp_path, shards_held):
+    """The cache is a bound whatever the shard size: one smaller than two shards (the window read and the next)
+    refuses the train job before it trains, naming cache_gb, the shard and what to change."""
+    settings = Settings(workdir=tmp_path / "work", input_roots=[tmp_path])
+    uri = write_features(tmp_path / "features", samples=8, per_shard=4)
+    largest = max(FeatureReader(open_artifact(uri)).sizes.values())
+    store = LocalStore(settings.store_root)
+    ctx = StageContext(job_id="small", settings=settings, store=store, output=Artifact(store, "drafters/small"),
+                       report=lambda *a: False)
+    spec = Spec.model_validate({"features": uri, "ttt_steps": 2, "draft_vocab_size": 256, "steps": 2,
+                                "cache_gb": shards_held * largest / (1 << 30)})
+    with pytest.raises(ValueError, match=rf"cache_gb=\S+ cannot hold the features' shard \S+ \({largest / (1 << 20):.1f} "
+                       r"MiB\) twice over .*raise cache_gb to at least \S+, or lower the extract job's shard_mb"):
+        core.run(spec, ctx)
+    assert not ctx.output.names()  # nothing written

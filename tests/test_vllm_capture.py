@@ -79,13 +79,16 @@ def test_vllm_capture_writes_the_transformers_artifact_within_bf16_rounding(data
     reference, ref_extra = extract(data, "transformers", "hf")
     ours, extra = extract(data, "vllm", "vllm")
     assert ref_extra["compute"]["engine"] == "transformers"
+    engine_log = Path(extra["compute"].pop("engine_log"))
     assert extra["compute"] == {"engine": "vllm", "device": "cpu", "tensor_parallel_size": 1, "dtype": "float32"}
+    assert engine_log.parent == data / "work" / "logs" and engine_log.stat().st_size > 0  # the engine's own output
     worst = assert_same_features(ours, reference, hidden=576)
     print(f"largest per-token relative difference: {worst:.1e}")
     engine = vllm_backend._engine
     assert engine is not None and engine.proc.poll() is None  # kept for the next job
-    again, _ = extract(data, "vllm", "vllm-again")
+    again, again_extra = extract(data, "vllm", "vllm-again")
     assert vllm_backend._engine is engine  # no second engine start
+    assert again_extra["compute"]["engine_log"] == str(engine_log)  # its log, recorded by every job it serves
     assert samples_of(again).keys() == samples_of(ours).keys()
 
 

@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass
 
 CONCURRENCIES = (1, 4, 16, 64)
-MAX_K = 7
 
 
 def interpolate(points: list[tuple[float, float]], x: float) -> float:

@@ -29,13 +29,11 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import Field
 
-from eyas.confine import names
-from eyas.device import DTypeName, placement
+from eyas.device import placement
 from eyas.drafter import NORM_FLAGS, Drafter
 from eyas.exports import (
     CONFIG,
@@ -49,51 +47,18 @@ from eyas.exports import (
 )
 from eyas.layout import default_aux_layers
 from eyas.manifest import ArtifactWriter, Manifest, fetch_verified, read_manifest
-from eyas.prompts import BUNDLED_NAMES
-from eyas.stage import StageContext, StageResult, StageSpec
+from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
-from eyas.target import BUNDLED, Target, load_target, resolve_target
+from eyas.target import Target, load_target, resolve_target
 from services.evaluator import costmodel, launch
 from services.evaluator.chains import chain_acceptance, drafter_runs, target_pass
+from services.evaluator.diagnose_spec import K_MAX, Spec
 from services.evaluator.live import timed_completions
 from services.evaluator.report import expected_acceptance_length
 from services.evaluator.specdec import PromptIds, eval_prompts, greedy, stop_ids
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "drafter"
-K_MAX = 7  # drafts replayed per round start (τ at the job's k is read from the same runs)
-
-
-class Spec(StageSpec):
-    drafter: names("artifact") = Field(description="the drafter: an Eyas drafter artifact (s3://bucket/drafters/ID "
-                                       "or its directory), or an EAGLE-3 export directory (config.json + "
-                                       "model.safetensors: EAGLE/SpecForge layout, or a speculators checkpoint)")
-    target: names("target", exact=(BUNDLED,)) = Field(
-        BUNDLED, description="the target it drafts for: HF directory (under an input root) or the bundled name")
-    k: int = Field(3, ge=1, le=K_MAX, description="draft tokens per target forward, as served")
-    prompts: names("prompts", exact=BUNDLED_NAMES) = Field("bundled:mt_bench", description="prompts to measure on "
-                                                           "(first user turns)")
-    num_prompts: int = Field(8, ge=1, le=1000, description="N prompts spread evenly over the file")
-    traffic: names("prompts", exact=BUNDLED_NAMES) | None = Field(
-        None, description="a sample of your real traffic (a prompt file): τ on it beside `prompts`, per category")
-    traffic_prompts: int = Field(8, ge=1, le=1000, description="N prompts of `traffic`, spread evenly")
-    max_new_tokens: int = Field(64, ge=8, le=2048)
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, max_length=64, description="how the served traffic is rendered, e.g. {\"enable_thinking\": false} "
-        "(default: as the drafter's training data was, where its artifact records it, else the template's default)")
-    expected_accuracy: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
-        None, max_length=16, description="per-position teacher-forced accuracy the drafter's training reported "
-        "(e.g. [0.87, 0.7, 0.55]); default: an Eyas drafter's last validation")
-    endpoint: names("endpoint") | None = Field(
-        None, description="an OpenAI-compatible vLLM endpoint serving the target with this drafter: its spec-decode "
-        "counters give the served τ")
-    serve: bool = Field(False, description="without an endpoint: start vLLM with the drafter (EYAS_VLLM_COMMAND) "
-                        "to measure the served τ")
-    write_fixed: bool = Field(False, description="write the drafter with the fix applied into this job's artifact "
-                              "(fixed/): config changes, d2t as offsets, fc's input blocks reordered")
-    dtype: DTypeName = Field("auto", description="compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the CPU)")
-
-
 @dataclass(frozen=True)
 class Variant:
     """One way of feeding and reading the drafter. The config's own is `as configured`; the others each change one

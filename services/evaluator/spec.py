@@ -7,11 +7,9 @@ from typing import Literal
 from pydantic import Field
 
 from eyas.confine import names
-from eyas.device import DTypeName
+from eyas.defaults import BUNDLED, DEFAULT_CACHE_GB, DTypeName
 from eyas.prompts import BUNDLED_NAMES
 from eyas.stage import UNIX_TIME_MAX, StageSpec
-from eyas.streaming import DEFAULT_CACHE_GB
-from eyas.target import BUNDLED
 
 
 class Spec(StageSpec):
@@ -31,7 +29,8 @@ class Spec(StageSpec):
         "drafter was trained on it; null: none")
     second_num_prompts: int = Field(5, ge=1, le=10_000, description="N prompts of second_prompts, "
                                     "spread evenly, distinct first turns")
-    max_new_tokens: int = Field(128, ge=1, le=4096)
+    max_new_tokens: int = Field(128, ge=1, le=4096, description="tokens the target generates greedily per prompt "
+                                "(the drafts are replayed along them)")
     finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: prompts are scored, in an "
                                     "order whose every prefix is spread over the file, while another batch and the "
                                     "steps after it fit before it (at least min_prompts); the report says how many")

@@ -188,10 +188,12 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
     if engine_for(spec, ctx.settings) == "vllm":
         try:
             config = engine_config(spec, place, job, ctx.settings)
-            writer.files.update(extract_with_vllm(config, ctx.output.uri, job.plan.shards, items, progress, uploaded,
-                                                  ctx.check))
+            files, engine_log = extract_with_vllm(config, ctx.output.uri, job.plan.shards, items, progress, uploaded,
+                                                  ctx.check, ctx.settings.workdir / "logs")
+            writer.files.update(files)
             bar.close()
-            return {"engine": "vllm", "device": place.device.type, "tensor_parallel_size": config.tensor_parallel_size}
+            return {"engine": "vllm", "device": place.device.type, "tensor_parallel_size": config.tensor_parallel_size,
+                    "engine_log": str(engine_log)}
         except EngineUnavailable as e:  # raised before any shard was taken
             if spec.engine == "vllm":
                 raise

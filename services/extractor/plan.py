@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from eyas.features import shard_bytes
+from eyas.features import shard_file_bytes
 from eyas.render import RenderError, render_conversation
 
 log = logging.getLogger(__name__)
@@ -89,16 +89,27 @@ def batches(items: list[Item], batch_tokens: int) -> list[Batch]:
 
 
 def shards(planned: list[Batch], width: int, max_bytes: int) -> list[list[Batch]]:
-    """Consecutive batches per shard; a shard closes at the first batch end past `max_bytes` (`width` hidden
-    values per token: aux + final)."""
+    """Consecutive batches per shard, each shard file at most `max_bytes` (`width` hidden values per token: aux +
+    final): a shard closes before the sample that would pass it, splitting a forward batch there into two (each
+    part still longest first); a sample bigger than `max_bytes` on its own gets a shard of its own, with a warning."""
     out: list[list[Batch]] = []
-    size = max_bytes  # start a shard at the first batch
+    tokens = samples = 0  # in the open shard, out[-1]
     for batch in planned:
-        if size >= max_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(batch)
-        size += shard_bytes(sum(len(i.input_ids) for i in batch), width)
+        part: Batch = []
+        for item in batch:
+            n = len(item.input_ids)
+            if not out or (samples and shard_file_bytes(tokens + n, samples + 1, width) > max_bytes):
+                if part:
+                    out[-1].append(part)
+                out.append([])
+                part, tokens, samples = [], 0, 0
+            if shard_file_bytes(n, 1, width) > max_bytes:
+                log.warning("sample %s takes %.2f MiB of features, more than shard_mb (%.2f MiB): a shard of its own",
+                            item.id, shard_file_bytes(n, 1, width) / (1 << 20), max_bytes / (1 << 20))
+            part.append(item)
+            tokens, samples = tokens + n, samples + 1
+        if part:
+            out[-1].append(part)
     return out
 
 

@@ -7,9 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
-from eyas.device import DTypeName
+from eyas.defaults import BUNDLED, DTypeName
 from eyas.stage import StageSpec, integral_floats
-from eyas.target import BUNDLED
 
 
 class StreamSpec(BaseModel):
@@ -39,10 +38,13 @@ class Spec(StageSpec):
         BUNDLED, description="target model: HF directory (under an input root) or the bundled name")
     aux_layers: list[Annotated[int, Field(ge=-1, le=1023)]] | None = Field(
         None, max_length=64, description="physical out(i) layers; default out(1), out(L//2-1), out(L-4)")
-    max_length: int = Field(2048, ge=16, le=131072)
-    overlong: Literal["truncate", "skip"] = "truncate"
+    max_length: int = Field(2048, ge=16, le=131072, description="most tokens of one sample (see overlong)")
+    overlong: Literal["truncate", "skip"] = Field("truncate", description="a sample longer than max_length: "
+                                                  "truncate it to max_length, or skip it (counted in the manifest)")
     batch_tokens: int = Field(8192, ge=256, le=16_777_216, description="padded tokens per forward batch")
-    shard_mb: int = Field(256, ge=1, le=4096)
+    shard_mb: int = Field(256, ge=1, le=4096, description="most MiB of features in a shard file (a shard closes "
+                          "before the sample that would pass it; a sample bigger than this gets a shard of its own): "
+                          "the unit a trainer's cache holds and a stream hands off")
     dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
                              "CPU). Features are stored in bf16 either way")
     engine: Literal["auto", "vllm", "transformers"] = Field(

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from eyas.coordination import Work
-from eyas.features import Index, shard_bytes, shard_name
+from eyas.features import Index, shard_file_bytes, shard_name
 from eyas.handoff import (
     FINISHED,
     POLL_S,
@@ -35,14 +35,15 @@ from services.extractor.spec import StreamSpec
 
 def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, width: int, chat_template_kwargs: dict) -> StreamPlan:
     shards = [ShardPlan(name=shard_name(i), samples=sum(len(b) for b in batches),
-                        bytes=sum(shard_bytes(len(item.input_ids), width) for b in batches for item in b))
+                        bytes=shard_file_bytes(sum(len(item.input_ids) for b in batches for item in b),
+                                               sum(len(b) for b in batches), width))
               for i, batches in enumerate(plan.shards)]
     window = int(spec.max_store_gb * (1 << 30)) // 2
     largest = max((s.bytes for s in shards), default=0)
     if largest > window:  # a window holds whole shards: the cap would not hold
         raise ValueError(f"stream.max_store_gb={spec.max_store_gb:g} holds two windows of {window / (1 << 20):.1f} "
-                         f"MiB, and a planned shard takes {largest / (1 << 20):.1f} MiB: lower shard_mb or "
-                         "batch_tokens (a shard closes at the first forward batch past shard_mb), or raise the cap")
+                         f"MiB, and a planned shard takes {largest / (1 << 20):.1f} MiB: lower shard_mb (a "
+                         "sample bigger than shard_mb takes a shard of its own: lower max_length), or raise the cap")
     return StreamPlan(policy=spec.policy, epochs=spec.epochs if spec.policy == "recompute" else 1, seed=spec.seed,
                       window_bytes=window, layout=layout,
                       chat_template_kwargs=chat_template_kwargs, shards=shards)

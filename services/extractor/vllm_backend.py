@@ -1,7 +1,9 @@
 """The extract stage's vLLM backend, this side of it: a capture engine process (services.extractor.vllm_server) in
 vLLM's own environment, started on a worker's first vLLM job and kept for the jobs after it (one engine per
 process: a job for another target or layout replaces it). A job sends it the planned shards one at a time, as the
-engine takes them, and relays what it reports: progress, and each shard once uploaded.
+engine takes them, and relays what it reports: progress, and each shard once uploaded. The engine's own output
+(vLLM's and its libraries' warnings) goes to a log file, not to the terminal: a job records the file's path, and an
+engine that fails is reported with the file's last lines.
 """
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +43,15 @@ class EngineConfig:
     max_model_len: int
 
 
+LOG_TAIL_LINES = 20  # of the engine's log, in the error of an engine that failed
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, check: Callable[[], None]):
+    def __init__(self, config: EngineConfig, check: Callable[[], None], log_dir: Path):
         self.config = config
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm-capture-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        self.log = self.log_path.open("a", encoding="utf-8", buffering=1)  # shared with the engine (its stderr)
         cmd = [config.python, "-m", "services.extractor.vllm_server", "--target", config.target,
                "--aux-layers", ",".join(map(str, config.aux_layers)), "--num-layers", str(config.num_layers),
                "--dtype", config.dtype, "--tensor-parallel-size", str(config.tensor_parallel_size),
@@ -55,11 +63,11 @@ class Engine:
         if (REPO / "pyproject.toml").exists():
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
             cwd = str(REPO)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     cwd=cwd, env=env, start_new_session=True)
         self.lines = Lines(self.proc, "eyas-vllm-engine")
-        log.info("starting the vLLM capture engine for %s (tensor parallel %d)", config.target,
-                 config.tensor_parallel_size)
+        log.info("starting the vLLM capture engine for %s (tensor parallel %d); its log: %s", config.target,
+                 config.tensor_parallel_size, self.log_path)
         try:
             for tag, payload in self._replies(check):
                 if tag == READY:
@@ -71,14 +79,18 @@ class Engine:
             raise
 
     def _replies(self, check: Callable[[], None]):
-        """(tag, payload) of each tagged line the engine prints; its other lines go to the log."""
+        """(tag, payload) of each tagged line the engine prints; its other lines go to its log file."""
         for line in self.lines.follow(check):
             tag = next((t for t in TAGS if line.startswith(t)), None)
             if tag is None:
-                sys.stderr.write(line)  # the engine's own log
+                self.log.write(line)
                 continue
             yield tag, line[len(tag):].rstrip("\n")
-        raise RuntimeError(f"the vLLM capture engine exited with {self.proc.wait()} (its log is above)")
+        code = self.proc.wait()
+        self.log.flush()
+        tail = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        raise RuntimeError(f"the vLLM capture engine exited with {code}; the last lines of its log "
+                           f"({self.log_path}):\n" + "\n".join(tail))
 
     def _send(self, msg: dict) -> None:
         assert self.proc.stdin is not None
@@ -126,6 +138,7 @@ class Engine:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
+        self.log.close()
 
 
 _engine: Engine | None = None
@@ -134,18 +147,19 @@ _lock = threading.Lock()
 
 def extract_with_vllm(config: EngineConfig, output_uri: str, shards, work: Iterable[tuple[int, str]],
                       progress: Callable[[int], None], uploaded: Uploaded | None,
-                      check: Callable[[], None]) -> dict[str, FileEntry]:
-    """Run the job's shards on this process's engine (started, or restarted for another config, as needed). A job
-    that fails or is cancelled mid-way stops the engine: the next job starts a fresh one."""
+                      check: Callable[[], None], log_dir: Path) -> tuple[dict[str, FileEntry], Path]:
+    """Run the job's shards on this process's engine (started, or restarted for another config, as needed, its log
+    in `log_dir`): the shards' entries, and the engine's log file. A job that fails or is cancelled mid-way stops
+    the engine: the next job starts a fresh one."""
     global _engine
     with _lock:
         if _engine is not None and (_engine.config != config or _engine.proc.poll() is not None):
             _engine.close()
             _engine = None
         if _engine is None:
-            _engine = Engine(config, check)
+            _engine = Engine(config, check, log_dir)
         try:
-            return _engine.extract(output_uri, shards, work, progress, uploaded, check)
+            return _engine.extract(output_uri, shards, work, progress, uploaded, check), _engine.log_path
         except BaseException:
             _engine.close()
             _engine = None

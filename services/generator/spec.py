@@ -7,9 +7,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
+from eyas.defaults import BUNDLED
 from eyas.prompts import BUNDLED_NAMES
 from eyas.stage import UNIX_TIME_MAX, StageSpec, integral_floats
-from eyas.target import BUNDLED
 
 
 class SamplingParams(BaseModel):

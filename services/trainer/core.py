@@ -32,7 +32,8 @@ from eyas.ranks import run_ranks
 from eyas.stage import StageContext, StageResult
 from eyas.target import load_target_head, resolve_target
 from services.trainer.checkpoint import CHECKPOINTS, load_checkpoint
-from services.trainer.spec import Spec, open_features, resolve
+from services.trainer.inputs import open_features, resolve
+from services.trainer.spec import Spec
 from services.trainer.train import PROGRESS_TAG, build_dflash, drafter_config, train
 
 log = logging.getLogger(__name__)

@@ -1,25 +1,16 @@
-"""The train job's spec, its machine-dependent defaults, the CPU preset `eyas run` uses, and opening the features a
-spec names (checked against the target here)."""
+"""The train job's spec and the CPU preset `eyas run` uses (no torch here: `eyas --help` builds its flags from the
+spec; services.trainer.inputs fills in the machine's defaults and opens the features)."""
 from __future__ import annotations
 
-import json
-import threading
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import ConfigDict, Field, model_validator
 
 from eyas.confine import names
-from eyas.device import DTypeName, placement
-from eyas.drafter import NORM_FLAGS, check_norm_flags
-from eyas.features import FeatureReader
-from eyas.layout import Layout, LayoutMismatch, check_layout
-from eyas.settings import Settings
+from eyas.defaults import BUNDLED, DEFAULT_CACHE_GB, NORM_FLAGS, DTypeName, check_norm_flags
 from eyas.stage import UNIX_TIME_MAX, StageSpec
-from eyas.store import open_artifact
-from eyas.streaming import DEFAULT_CACHE_GB
-from eyas.target import BUNDLED, config_hash, load_tokenizer, resolve_target, tokenizer_hash
-from services.trainer.vocab import DEFAULT_DRAFT_VOCAB
+
+DEFAULT_DRAFT_VOCAB = 8192  # Vd, why this size: services.trainer.vocab
 
 # Settings for a CPU run on the bundled target (`eyas run` merges them into its trainer spec); the measurements
 # behind each value are in bench/README.md ("Trainer CPU preset").
@@ -65,7 +56,8 @@ class Spec(StageSpec):
     ttt_steps: int = Field(7, ge=1, le=16, description="training-time-test steps (drafted tokens trained)")
     steps: int | None = Field(None, ge=1, le=100_000_000,
                               description="optimizer steps; default: `epochs` over the train split")
-    epochs: float = Field(1.0, gt=0, le=1000)
+    epochs: float = Field(1.0, gt=0, le=1000, description="passes over the train split (fractions allowed), when "
+                          "steps is not given")
     finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: the steps (of `steps` or "
                                     "`epochs`, at most) that fit before it, the learning-rate schedule sized to them "
                                     "and re-sized as the step time drifts; then the last validation and the exports")
@@ -82,7 +74,8 @@ class Spec(StageSpec):
                             "artifact order when they all fit, fetched once); validation keeps up to a quarter in memory")
     val_interval: int = Field(100, ge=0, le=100_000_000, description="validate every N steps (0: only at the end)")
     checkpoint_every: int = Field(200, ge=1, le=100_000_000, description="checkpoint every N steps (and at the end)")
-    seed: int = Field(0, ge=0, le=2**32 - 1)
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the drafter's initialisation and the order of "
+                      "shards and samples")
     dtype: DTypeName = Field("auto", description="compute dtype (bf16: autocast) and the exports' dtype; auto: "
                              "EYAS_DTYPE (bf16 on a GPU, fp32 on the CPU)")
     resume: names("artifact", exact=("auto", "never")) = Field(
@@ -115,29 +108,3 @@ class Spec(StageSpec):
         DrafterConfig.from_target takes them."""
         return {**{k: getattr(self, k) for k in NORM_FLAGS}, "parallel": self.method == "peagle"}
 
-
-def resolve(spec: Spec, settings: Settings) -> Spec:
-    """The spec with the defaults that depend on the machine filled in: the dtype ("auto": EYAS_DTYPE, else bf16 on
-    a GPU), the processes (one per visible GPU)."""
-    place = placement(settings, spec.dtype)
-    gpus = torch.cuda.device_count() if place.device.type == "cuda" else 1
-    return spec.model_copy(update={"dtype": place.dtype_name, "processes": spec.processes or gpus})
-
-
-def open_features(spec: Spec, settings: Settings, stop: threading.Event | None = None) -> tuple[FeatureReader, Layout]:
-    """The features reader and its layout, after checking that the target here is the one they were extracted
-    from (config and tokenizer/chat-template hashes, sizes). `stop` set: stop waiting for shards not yet
-    extracted (the job was cancelled)."""
-    reader = FeatureReader(open_artifact(spec.features, settings), stall_s=settings.stream_stall_s, stop=stop)
-    layout = reader.layout
-    target = spec.target or layout.target
-    cfg = json.loads((resolve_target(target) / "config.json").read_text())
-    here = Layout(target=target, target_config_hash=config_hash(resolve_target(target)),
-                  tokenizer_hash=tokenizer_hash(load_tokenizer(target)), num_layers=cfg["num_hidden_layers"],
-                  hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], aux_layers=layout.aux_layers,
-                  dtype=layout.dtype)
-    check_layout(here, layout, what=f"features {spec.features} for target {target!r}")
-    if spec.aux_layers is not None and tuple(spec.aux_layers) != layout.aux_layers:
-        raise LayoutMismatch(f"aux_layers: the spec asks for out{tuple(spec.aux_layers)}, features {spec.features} "
-                             f"captured out{layout.aux_layers}: extract with aux_layers {list(spec.aux_layers)}")
-    return reader, layout

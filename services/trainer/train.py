@@ -48,7 +48,8 @@ from services.trainer.checkpoint import (
     save_validation,
 )
 from services.trainer.data import BatchStream, DataPosition, TrainData, plan_features, shard, total_steps
-from services.trainer.spec import Spec, open_features, resolve
+from services.trainer.inputs import open_features, resolve
+from services.trainer.spec import Spec
 from services.trainer.vocab import coverage, select_vocab
 
 log = logging.getLogger(__name__)

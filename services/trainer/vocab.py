@@ -19,8 +19,6 @@ import torch
 
 from eyas.features import Sample
 
-DEFAULT_DRAFT_VOCAB = 8192
-
 
 def token_counts(samples: Iterable[Sample], vocab_size: int) -> torch.Tensor:
     """[V] int64: how often each target id occurs at a supervised position (loss_mask == 1)."""
