@@ -305,6 +305,19 @@ def test_extract_cancelled_between_forward_batches_leaves_whole_shards_and_no_ma
         assert load_file(str(path))
 
 
+def test_extract_at_the_default_batch_stops_mid_forward(runner, tmp_path):
+    """At the default batch_tokens (8,192) one forward takes many seconds on a CPU (18 s on 2 cores): a cancel that
+    comes as the second batch starts stops it between two of its decoder layers, not at its end."""
+    from services.extractor.spec import Spec
+
+    data = write_records(tmp_path / "data", _conversations(600))  # ~50 tokens a sample: 3 or 4 batches
+    first = Spec.model_fields["batch_tokens"].default  # the spec below leaves it unset
+    record, took = _cancel_mid_work(runner, "extract", {"data": data}, _reported(1))
+    _cancelled(record, took)
+    assert 0 < record.progress.done <= first < record.progress.total  # it was cancelled in the second forward
+    assert not job_output(runner.store, record).exists("manifest.json")
+
+
 # ---------------------------------------------------------------- train: between training steps
 
 
