@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import sys
 import threading
@@ -372,3 +373,28 @@ def test_evaluate_greedy_checks_between_decoding_steps():
     with pytest.raises(Cancelled):
         greedy(target, [[1, 2, 3, 4]], 50, {0}, check=check)
     assert len(calls) == 3
+
+
+def test_evaluate_stops_waiting_for_the_vllm_it_starts(tmp_path):
+    """The evaluator's live check starts vLLM itself (EYAS_VLLM_COMMAND), a minute or more on a CPU: a cancel
+    stops the wait between two polls, and the server with it."""
+    from services.evaluator import launch
+
+    pid_file = tmp_path / "pid"
+    never_ready = f"{sys.executable} -c 'import os, sys, time; open(sys.argv[1], \"w\").write(str(os.getpid())); " \
+                  f"time.sleep(600)' {pid_file}"
+    stop = threading.Event()
+    threading.Timer(2.0, stop.set).start()
+
+    def check() -> None:
+        if stop.is_set():
+            raise Cancelled("job j was cancelled")
+
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled), launch.vllm(never_ready, tmp_path, check=check):
+        pass
+    took = time.monotonic() - t0 - 2.0
+    assert took < CANCEL_S, f"stopped {took:.1f} s after the cancel"
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # the server was stopped (and waited for)
+        os.kill(pid, 0)
