@@ -319,6 +319,20 @@ def test_extract_at_the_default_batch_stops_mid_forward(runner, tmp_path):
     assert not job_output(runner.store, record).exists("manifest.json")
 
 
+@pytest.mark.vllm
+def test_extract_on_the_vllm_engine_stops_within_seconds(runner, tmp_path):
+    """The default engine where vLLM's environment is installed: the job's side notices the cancel while it waits
+    for the engine's next line, and stops the engine (the next job starts a fresh one)."""
+    from services.extractor import vllm_backend
+
+    data = write_records(tmp_path / "data", _conversations(600))
+    record, took = _cancel_mid_work(runner, "extract", {"data": data, "engine": "vllm", "batch_tokens": 1024},
+                                    _reported(1))
+    _cancelled(record, took)
+    assert vllm_backend._engine is None  # stopped with the job
+    assert not job_output(runner.store, record).exists("manifest.json")
+
+
 # ---------------------------------------------------------------- train: between training steps
 
 
