@@ -1,11 +1,14 @@
 """Aux-layer capture: forward hooks on exactly the decoder layers the layout names, plus the final norm.
 
 Hooks read the residual stream each layer returns, out(i) (= HF hidden_states[i+1]); no other layer's states are
-kept, and the lm_head never runs (the base model is called, not the causal-LM wrapper).
+kept, and the lm_head never runs (the base model is called, not the causal-LM wrapper). A `check` given to `capture`
+runs before every decoder layer: a forward of a large batch takes many seconds on a CPU, and a cancel (it raises)
+must not wait for its end.
 """
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -14,7 +17,7 @@ from eyas.target import Target
 
 
 @contextlib.contextmanager
-def hooks(target: Target, aux_layers: tuple[int, ...]):
+def hooks(target: Target, aux_layers: tuple[int, ...], check: Callable[[], None] | None = None):
     captured: dict[str, torch.Tensor] = {}
 
     def keep(name):
@@ -27,6 +30,8 @@ def hooks(target: Target, aux_layers: tuple[int, ...]):
     handles = [(base.embed_tokens if i == EMBED else base.layers[i]).register_forward_hook(keep(f"out{i}"))
                for i in aux_layers]
     handles.append(base.norm.register_forward_hook(keep("final")))
+    if check is not None:
+        handles += [layer.register_forward_pre_hook(lambda *_: check()) for layer in base.layers]
     try:
         yield captured
     finally:
@@ -42,12 +47,13 @@ def gather(got: dict[str, torch.Tensor], aux_layers: tuple[int, ...], device: to
 
 @torch.inference_mode()
 def capture(target: Target, layout: Layout, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            device: torch.device | None = None,
+            check: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids/attention_mask [B, T] (right-padded, on any device) → aux [B, T, n_aux·H] (ascending out(i)),
-    final [B, T, H], both on `device` (default: the target's input device)."""
+    final [B, T, H], both on `device` (default: the target's input device); `check()` before every layer."""
     on = target.input_device
     device = on if device is None else device
-    with hooks(target, layout.aux_layers) as got:
+    with hooks(target, layout.aux_layers, check) as got:
         target.model.model(input_ids=input_ids.to(on, non_blocking=True),
                            attention_mask=attention_mask.to(on, non_blocking=True), use_cache=False)
     return gather(got, layout.aux_layers, device), got["final"].to(device)

@@ -19,8 +19,8 @@ if ! "$VENV/bin/python" -c "import speculators.models.eagle3" 2>/dev/null; then
     "$VENV/bin/pip" install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 fi
 # The extract stage's capture engine (services/extractor/vllm_server.py) runs Eyas's code in this environment and
-# writes shards into the job's artifact, in the bucket too: the S3 client the project pins.
-if ! "$VENV/bin/python" -c "import minio" 2>/dev/null; then
-    "$VENV/bin/pip" install -q "minio==7.2.20"
-fi
+# writes shards into the job's artifact, in the bucket too: what that code imports beyond vLLM, from the one list
+# the image installs too (deploy/Dockerfile). Run every time: pip leaves what is there and adds what an older
+# environment lacks.
+"$VENV/bin/pip" install -q -r deploy/capture-requirements.txt
 "$VENV/bin/python" -c "import vllm, transformers, speculators.models.eagle3; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

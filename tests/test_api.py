@@ -3,6 +3,7 @@ stay queued where the test can look at them), and embedded mode running jobs aga
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,10 +183,60 @@ def test_api_key(stage: str, service_settings: ServiceEnv, prompts_file: Path):
         assert job["state"] == "queued"
         assert "k3y-0123456789" not in json.dumps(job) and S3_SECRET not in json.dumps(job)  # no secret recorded
         assert client.get("/healthz").status_code == 200  # probes stay open
-        doc = client.get("/openapi.json").json()
+        doc = client.get("/openapi.json", headers={"Authorization": "Bearer k3y-0123456789"}).json()
         assert "/v1/jobs" in doc["paths"] and doc["paths"]["/v1/jobs"]["post"]["security"] == [{"HTTPBearer": []}]
     with TestClient(create_app(stage, service_settings.settings)) as client:  # no key: none asked, none documented
         assert "security" not in client.get("/openapi.json").json()["paths"]["/v1/jobs"]["post"]
+
+
+DOCS = ("/openapi.json", "/docs", "/redoc")
+
+
+def test_the_schema_and_docs_want_the_key(service_settings: ServiceEnv):
+    """The schema shows the operator's settings (the bucket, input roots, allowed endpoints and caps in its patterns
+    and maximums): with a key, it and the pages that show it want the key, as a bearer token or, from a browser,
+    as HTTP Basic's password; without one they are open."""
+    key = "k3y-0123456789"
+    settings = service_settings.settings.model_copy(update={"api_key": SecretStr(key)})
+    with TestClient(create_app("extract", settings)) as client:
+        for path in DOCS:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Token {key}"}):
+                r = client.get(path, headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic "), (path, headers)
+                assert settings.s3_bucket not in r.text
+            assert client.get(path, auth=("anyone", "wrong")).status_code == 401
+            assert client.get(path, headers={"Authorization": f"Bearer {key}"}).status_code == 200, path
+            assert client.get(path, auth=("anyone", key)).status_code == 200, path  # what a browser sends
+        data = client.get("/openapi.json", auth=("", key)).json()["components"]["schemas"]["Spec"]["properties"]["data"]
+        assert re.fullmatch(data["pattern"], f"s3://{settings.s3_bucket}/datasets/x")  # the bucket: what the key guards
+        assert not re.fullmatch(data["pattern"], "s3://another-bucket/datasets/x")
+        assert client.get("/healthz").status_code == 200  # probes stay open
+    with TestClient(create_app("extract", service_settings.settings)) as client:  # no key: open
+        for path in DOCS:
+            assert client.get(path).status_code == 200, path
+
+
+def test_each_service_answers_for_its_own_stage_jobs_only(service_settings: ServiceEnv, prompts_file: Path):
+    """The services share one job store: a generate job (queued, then running) is absent to the extract service —
+    read and cancel are 404s, its list leaves it out, and the job is untouched — and the other way round."""
+    settings, bucket = service_settings.settings, service_settings.settings.s3_bucket
+    jobs = RedisJobStore(settings.redis_url)
+    with TestClient(create_app("generate", settings)) as gen, TestClient(create_app("extract", settings)) as ext:
+        gen_id = gen.post("/v1/jobs", json={"prompts": str(prompts_file)}).json()["id"]
+        ext_id = ext.post("/v1/jobs", json={"data": f"s3://{bucket}/datasets/x"}).json()["id"]
+        for state in ("queued", "running"):
+            if state == "running":
+                transition(jobs, gen_id, "running")
+            for client, own, other in ((gen, gen_id, ext_id), (ext, ext_id, gen_id)):
+                r = client.get(f"/v1/jobs/{other}")
+                assert r.status_code == 404 and r.json()["detail"][0]["value"] == other
+                assert client.post(f"/v1/jobs/{other}/cancel").status_code == 404
+                assert [j["id"] for j in client.get("/v1/jobs").json()] == [own]
+                assert client.get(f"/v1/jobs/{own}").status_code == 200
+            assert jobs.get(gen_id).state == state and not jobs.get(gen_id).cancel_requested
+        assert jobs.get(ext_id).state == "queued" and not jobs.get(ext_id).cancel_requested
+        assert gen.post(f"/v1/jobs/{gen_id}/cancel").status_code == 202  # its own service cancels it
+        assert jobs.get(gen_id).cancel_requested
 
 
 def test_oversized_body_is_refused_unread(service_client: TestClient, service_settings: ServiceEnv):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import sys
 import threading
@@ -305,6 +306,33 @@ def test_extract_cancelled_between_forward_batches_leaves_whole_shards_and_no_ma
         assert load_file(str(path))
 
 
+def test_extract_at_the_default_batch_stops_mid_forward(runner, tmp_path):
+    """At the default batch_tokens (8,192) one forward takes many seconds on a CPU (18 s on 2 cores): a cancel that
+    comes as the second batch starts stops it between two of its decoder layers, not at its end."""
+    from services.extractor.spec import Spec
+
+    data = write_records(tmp_path / "data", _conversations(600))  # ~50 tokens a sample: 3 or 4 batches
+    first = Spec.model_fields["batch_tokens"].default  # the spec below leaves it unset
+    record, took = _cancel_mid_work(runner, "extract", {"data": data}, _reported(1))
+    _cancelled(record, took)
+    assert 0 < record.progress.done <= first < record.progress.total  # it was cancelled in the second forward
+    assert not job_output(runner.store, record).exists("manifest.json")
+
+
+@pytest.mark.vllm
+def test_extract_on_the_vllm_engine_stops_within_seconds(runner, tmp_path):
+    """The default engine where vLLM's environment is installed: the job's side notices the cancel while it waits
+    for the engine's next line, and stops the engine (the next job starts a fresh one)."""
+    from services.extractor import vllm_backend
+
+    data = write_records(tmp_path / "data", _conversations(600))
+    record, took = _cancel_mid_work(runner, "extract", {"data": data, "engine": "vllm", "batch_tokens": 1024},
+                                    _reported(1))
+    _cancelled(record, took)
+    assert vllm_backend._engine is None  # stopped with the job
+    assert not job_output(runner.store, record).exists("manifest.json")
+
+
 # ---------------------------------------------------------------- train: between training steps
 
 
@@ -359,3 +387,28 @@ def test_evaluate_greedy_checks_between_decoding_steps():
     with pytest.raises(Cancelled):
         greedy(target, [[1, 2, 3, 4]], 50, {0}, check=check)
     assert len(calls) == 3
+
+
+def test_evaluate_stops_waiting_for_the_vllm_it_starts(tmp_path):
+    """The evaluator's live check starts vLLM itself (EYAS_VLLM_COMMAND), a minute or more on a CPU: a cancel
+    stops the wait between two polls, and the server with it."""
+    from services.evaluator import launch
+
+    pid_file = tmp_path / "pid"
+    never_ready = f"{sys.executable} -c 'import os, sys, time; open(sys.argv[1], \"w\").write(str(os.getpid())); " \
+                  f"time.sleep(600)' {pid_file}"
+    stop = threading.Event()
+    threading.Timer(2.0, stop.set).start()
+
+    def check() -> None:
+        if stop.is_set():
+            raise Cancelled("job j was cancelled")
+
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled), launch.vllm(never_ready, tmp_path, check=check):
+        pass
+    took = time.monotonic() - t0 - 2.0
+    assert took < CANCEL_S, f"stopped {took:.1f} s after the cancel"
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # the server was stopped (and waited for)
+        os.kill(pid, 0)

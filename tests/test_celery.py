@@ -22,6 +22,7 @@ from minio.versioningconfig import VersioningConfig
 
 from eyas.manifest import fetch_verified, read_manifest
 from eyas.store import S3Store, open_artifact
+from orchestration.jobs import RedisJobStore
 from tests.conftest import ServiceEnv, wait_for_job
 from tests.test_api import write_prompts
 
@@ -109,8 +110,10 @@ def test_job_posted_over_http_runs_on_a_separate_worker(service_settings, vllm_u
     assert sorted(r["id"] for r in records) == [f"prompts:p{i}" for i in range(4)]
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
 
-    # `then`: the next stage's job was created by the worker and sent to the extract queue (no extract worker here)
-    nxt = client.get(f"/v1/jobs/{job['next_job']}").json()
+    # `then`: the next stage's job was created by the worker and sent to the extract queue (no extract worker here);
+    # it is the extract service's to answer for, not this one's
+    assert client.get(f"/v1/jobs/{job['next_job']}").status_code == 404
+    nxt = RedisJobStore(service_settings.settings.redis_url).get(job["next_job"]).model_dump()
     assert nxt["stage"] == "extract" and nxt["state"] == "queued" and nxt["parent"] == job_id
     assert nxt["spec"]["data"] == output
     queued = redis.Redis.from_url(service_settings.settings.redis_url).lrange("extract", 0, -1)

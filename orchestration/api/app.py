@@ -10,11 +10,15 @@
 
 Serve one with `eyas api --stage generate --port 8000` (→ `serve_api`).
 In service mode (EYAS_MODE=service) jobs go to the stage's Celery queue; in embedded mode a background thread of
-this process runs them. With EYAS_API_KEY set, /v1/* needs `Authorization: Bearer <key>` (401 without, 403 wrong).
+this process runs them. With EYAS_API_KEY set, /v1/* needs `Authorization: Bearer <key>` (401 without, 403 wrong),
+and /openapi.json, /docs and /redoc need the key too (Bearer, or HTTP Basic's password: guards.DocsKey). A service
+answers for its own stage's jobs only: another stage's job id is a 404 on read and cancel, as an absent one is.
+The access log names each request's path without its query string (a key sent as a query parameter stays out).
 Bad input gets a 4xx whose detail names the field and the value, and nothing is written for it: 422 for a spec
 (a file, object or URL the settings do not allow too: eyas.confine), 413 for a body over max_request_bytes (counted
 as it streams), 405 for a method the path does not have (OPTIONS lists them).
 """
+import copy
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -27,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.settings import Settings, get_settings
-from orchestration.api.guards import BodyLimit, Methods
+from orchestration.api.guards import BodyLimit, DocsKey, Methods
 from orchestration.api.metrics import JobCollector
 from orchestration.api.openapi import documented
 from orchestration.api.routes import job_routes, probe_routes
@@ -111,14 +115,34 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
 
     app.include_router(job_routes(stage, spec_cls, runtime, settings, rejected))
     app.include_router(probe_routes(stage, runtime, settings, registry))
+    if settings.api_key is not None:
+        app.add_middleware(DocsKey, paths={app.openapi_url, app.docs_url, app.redoc_url},
+                           key=settings.api_key.get_secret_value())
     app.add_middleware(Methods, paths=lambda: app.openapi()["paths"])  # added last: the outermost
     app.openapi = documented(app, stage, settings)
     return app
 
 
-def serve_api(stage: str, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve `create_app(stage)` with uvicorn until stopped (what `eyas api --stage S` runs)."""
-    import uvicorn
+class PathOnly(logging.Filter):
+    """uvicorn's access log line with the request's path only: a query string may carry a secret (a client that sent
+    its key as `?api_key=`), and the log is read by more people than the key is."""
 
-    uvicorn.run(create_app(stage), host=host, port=port, log_level="info")
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: args = (client address, method, path with query string, HTTP version, status)
+        if isinstance(record.args, tuple) and len(record.args) == 5 and isinstance(record.args[2], str):
+            client, method, path, version, status = record.args
+            record.args = (client, method, path.split("?", 1)[0], version, status)
+        return True
+
+
+def serve_api(stage: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve `create_app(stage)` with uvicorn until stopped (what `eyas api --stage S` runs): uvicorn's own logging,
+    its access log through PathOnly."""
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config.setdefault("filters", {})["path_only"] = {"()": PathOnly}
+    log_config["loggers"]["uvicorn.access"]["filters"] = ["path_only"]
+    uvicorn.run(create_app(stage), host=host, port=port, log_level="info", log_config=log_config)
 

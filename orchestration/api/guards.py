@@ -4,9 +4,13 @@
              Content-Length) is refused too, having been read only up to the limit
   Methods    a documented path asked with a method it does not have is answered 405, and OPTIONS 204, each with
              every method the path has in Allow (Starlette names only those of the first route that matched)
+  DocsKey    with an API key, the schema and its pages want the key too (they show the operator's settings)
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import json
 import re
 from collections.abc import Callable
@@ -75,6 +79,38 @@ class Methods:
                     await _answer(send, 204, None, headers)
                 else:
                     await _answer(send, 405, {"detail": "Method Not Allowed"}, headers)
+                return
+        await self.app(scope, receive, send)
+
+
+class DocsKey:
+    """`paths` (/openapi.json, /docs, /redoc) answered only with the key: the schema shows the operator's input roots,
+    allowed endpoints, bucket and caps (the patterns and maximums that make it exact). The key comes as on /v1,
+    `Authorization: Bearer <key>`, or as the password of HTTP Basic (any user name): a browser asks for that when
+    /docs answers 401, and sends it again with the page's own request for /openapi.json."""
+
+    def __init__(self, app: ASGIApp, paths: set[str], key: str):
+        self.app, self.paths, self.key = app, paths, key.encode()
+
+    def _given(self, scope: Scope) -> bytes | None:
+        scheme, _, credentials = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            return credentials.strip()
+        if scheme.lower() == b"basic":
+            try:
+                return base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                return None
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.paths:
+            given = self._given(scope)
+            if not given or not hmac.compare_digest(given, self.key):
+                await _answer(send, 401, {"detail": "this service's schema and docs want its API key: send "
+                                                    "Authorization: Bearer <key>, or the key as the password of "
+                                                    "HTTP Basic (any user name)"},
+                              {"www-authenticate": 'Basic realm="Eyas API docs", charset="UTF-8"'})
                 return
         await self.app(scope, receive, send)
 

@@ -43,15 +43,20 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
     if settings.api_key is not None:
         errors |= {401: {"model": Message, "description": "no API key"},
                    403: {"model": Message, "description": "wrong API key"}}
-    missing = {404: {"model": Problems, "description": "no such job"}}
+    missing = {404: {"model": Problems, "description": f"no such {stage} job (another stage's job is its service's)"}}
     # whether a running job's worker still holds its lease (service mode: orchestration.lease)
     alive = None if runtime.leases is None else (lambda job_id: runtime.leases.held(job_lease(job_id)))
 
     def get_job(job_id: str) -> JobRecord:
+        """This stage's job `job_id`; another stage's job is answered as absent (404): each service reads, lists
+        and cancels its own stage's jobs only, whatever the job store they share holds."""
         try:
-            return runtime.jobs.get(job_id)
+            job = runtime.jobs.get(job_id)
         except JobNotFound:
-            raise HTTPException(404, [problem("id", job_id, "no such job")]) from None
+            job = None
+        if job is None or job.stage != stage:
+            raise HTTPException(404, [problem("id", job_id, f"no such {stage} job")])
+        return job
 
     @router.post("", status_code=202, response_model=Submitted,
                  responses={**errors, 413: {"model": Problems, "description": "the body is over max_request_bytes"},

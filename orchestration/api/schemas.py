@@ -42,12 +42,9 @@ class Message(BaseModel):
 
 
 def links(job: JobRecord) -> dict[str, str]:
-    out = {"self": f"/v1/jobs/{job.id}", "cancel": f"/v1/jobs/{job.id}/cancel"}
-    if job.next_job:
-        out["next"] = f"/v1/jobs/{job.next_job}"
-    if job.parent:
-        out["parent"] = f"/v1/jobs/{job.parent}"
-    return out
+    """This service's routes for the job. Its pipeline's other jobs (`parent`, `next_job`) are other stages':
+    their own services answer for them."""
+    return {"self": f"/v1/jobs/{job.id}", "cancel": f"/v1/jobs/{job.id}/cancel"}
 
 
 def view(job: JobRecord, alive: Callable[[str], bool] | None = None) -> JobView:

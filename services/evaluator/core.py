@@ -382,9 +382,11 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     api_key = key.get_secret_value() if key else None
     command = ctx.settings.vllm_command
     with contextlib.ExitStack() as servers:
-        endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target)))
+        endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target),
+                                                                       check=ctx.check))
                                      if command else None)
-        times, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint, api_key)
+        times, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint, api_key,
+                                                ctx.check)
         out = {**measured, **serving.predict(times, per_k, model, method)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
@@ -394,13 +396,14 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         if command and not spec_endpoint:
             config = json.loads(costmodel.speculative_config(str(subject.local / served), out["best"][0]["k"],
                                                              method))
-            spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config))
+            spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config,
+                                                              check=ctx.check))
         if endpoint and spec_endpoint:
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
                                      "started": [name for name, given in (("plain", spec.endpoint),
                                                                           ("spec", spec.spec_endpoint)) if not given]}
             out["live_check"] = serving.live_check(prompts, spec.max_new_tokens, endpoint, spec_endpoint, times,
-                                                   per_k, api_key)
+                                                   per_k, api_key, ctx.check)
     return out
 
 

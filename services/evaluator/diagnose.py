@@ -292,7 +292,8 @@ def _served(spec: Spec, ctx: StageContext, exported: Exported, prompts: list[Pro
         if not ctx.settings.vllm_command:
             raise ValueError("serve=true needs EYAS_VLLM_COMMAND (the command that starts vLLM's OpenAI server)")
         config = costmodel.speculative_config(str(exported.path), spec.k, drafting_method(exported.config))
-        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), json.loads(config))
+        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), json.loads(config),
+                            check=ctx.check)
     else:
         return None
     with stack as url:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,10 +25,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, ready_s: float = READY_S,
-         ) -> Iterator[str]:
+def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, ready_s: float = READY_S, *,
+         check: Callable[[], None]) -> Iterator[str]:
     """`command` (shell words) + the model, name "target", loopback host and port [+ --speculative-config]; yields
-    the base URL once /health answers 200, or raises with the tail of the server's log."""
+    the base URL once /health answers 200, or raises with the tail of the server's log. `check()` (a cancel) runs
+    between the polls of a start that takes a minute or more; what it raises stops the server."""
     port = _free_port()
     args = shlex.split(command) + ["--model", str(model_dir), "--served-model-name", "target",
                                    "--host", "127.0.0.1", "--port", str(port)]
@@ -40,6 +41,7 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
         try:
             deadline = time.monotonic() + ready_s
             while not _healthy(url):
+                check()
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     text = log.read().decode(errors="replace")

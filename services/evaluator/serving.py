@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.evaluator import costmodel, steptime
 from services.evaluator.live import live_ab
 from services.evaluator.specdec import PromptIds
@@ -27,15 +29,16 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str | None,
-                  api_key: str | None) -> tuple[costmodel.StepTimes, dict]:
+                  api_key: str | None, check: Callable[[], None]) -> tuple[costmodel.StepTimes, dict]:
     """Step times on the endpoint when given (else the target in-process) and the drafter's in-process; `method`,
-    the drafter's (a parallel drafter drafts K tokens in one forward)."""
-    drafter_points = steptime.drafter_step_times(drafter)
+    the drafter's (a parallel drafter drafts K tokens in one forward); `check()` (a cancel) between the points."""
+    drafter_points = steptime.drafter_step_times(drafter, check=check)
+    check()
     if endpoint:
         target_points = steptime.endpoint_step_times(endpoint, prompt, api_key=api_key)
         source = {"target": f"vLLM endpoint {endpoint}: decode step at batch b (streamed, ignore_eos)"}
     else:
-        target_points = steptime.target_step_times(target, TOKENS)
+        target_points = steptime.target_step_times(target, TOKENS, check=check)
         source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
     source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
     times = costmodel.StepTimes(target=target_points, drafter=drafter_points,
@@ -74,16 +77,19 @@ def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]
 
 
 def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_endpoint: str,
-               times: costmodel.StepTimes, per_k: dict[int, dict], api_key: str | None,
+               times: costmodel.StepTimes, per_k: dict[int, dict], api_key: str | None, check: Callable[[], None],
                concurrencies: tuple[int, ...] = LIVE_CONCURRENCIES) -> list[dict]:
-    """The A/B at each concurrency, with the prediction for the K the speculative server runs."""
+    """The A/B at each concurrency, with the prediction for the K the speculative server runs; `check()` (a
+    cancel) before each of its runs."""
     out = []
     ids = [p.ids for p in prompts]
     for c in concurrencies:
+        check()
         ab = live_ab(prompts, max_tokens, endpoint, spec_endpoint, c, api_key=api_key)
         spec = ab["speculative"]
         k = round(spec["draft_tokens"] / spec["drafts"])
         predicted = times.spec_tok_s(c, k, per_k[k]["acceptance_length"]) / times.plain_tok_s(c)
+        check()
         plain_rate, spec_rate = (steptime.endpoint_decode_rate(url, ids, c, max_tokens, api_key)
                                  for url in (endpoint, spec_endpoint))
         measured = spec_rate / plain_rate

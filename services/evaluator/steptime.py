@@ -20,7 +20,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import torch
@@ -132,7 +132,8 @@ def _draft_step(drafter: Drafter, tok: torch.Tensor, hidden: torch.Tensor, pos: 
     del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
 
 
-def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...]) -> list[tuple[int, float]]:
+def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...],
+                      check: Callable[[], None]) -> list[tuple[int, float]]:
     """One DFlash round at batch b: a block's worth of new context states (the engine caches the older ones) and
     the block of [bonus token, masks], to the draft token ids."""
     cfg = drafter.cfg
@@ -141,6 +142,7 @@ def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...]) -> list[
     out = []
     with _one_thread_on_cpu(on):
         for b in batches:
+            check()
             aux = torch.randn(b, cfg.block_size, cfg.num_aux * cfg.target_hidden_size, device=on, dtype=dtype)
             anchors = torch.full((b, 1), cfg.block_size, device=on)
             tokens = torch.randint(cfg.vocab_size, (b, 1), device=on)
@@ -154,9 +156,10 @@ def _block_step(drafter: DFlashDrafter, aux, anchors, tokens) -> None:
 
 @torch.inference_mode()
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
-                      context: int = CONTEXT) -> list[tuple[int, float]]:
+                      context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, float]]:
     """(n, seconds of one target forward over n new tokens) in-process: b = min(n, max_batch) sequences of
-    n / b tokens each after `context` cached tokens, logits for every new token (as a verify step needs)."""
+    n / b tokens each after `context` cached tokens, logits for every new token (as a verify step needs);
+    `check()` (a cancel) before each point."""
     from transformers import DynamicCache
 
     model, on = target.model, target.input_device
@@ -164,6 +167,7 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
     out = []
     with _one_thread_on_cpu(on):
         for n in tokens:
+            check()
             b = min(n, max_batch)
             # no config: every layer keeps all its keys, so crop() can undo a step even in sliding-window
             # layers (gpt-oss) once context + n passes the window; the masks still apply the window
@@ -178,16 +182,18 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
 
 @torch.inference_mode()
 def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...] = BATCHES,
-                       context: int = CONTEXT) -> list[tuple[int, float]]:
+                       context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, float]]:
     """(b, seconds of one draft step at batch b): a token per sequence, attending to `context` step-0 keys, to the
     draft token id (specdec._draft's loop body, batched). DFlash drafts a block per forward: its points are
-    (b · (block − 1) tokens drafted, seconds of one block forward at batch b)."""
+    (b · (block − 1) tokens drafted, seconds of one block forward at batch b). `check()` (a cancel) before each
+    point."""
     if isinstance(drafter, DFlashDrafter):
-        return _block_step_times(drafter, batches)
+        return _block_step_times(drafter, batches, check)
     on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
     out = []
     with _one_thread_on_cpu(on):
         for b in batches:
+            check()
             cache = TTTCache()
             pos = torch.arange(context, device=on)[None].expand(b, -1)  # [b, context]
             ids = torch.randint(drafter.cfg.vocab_size, (b, context), device=on)

@@ -199,7 +199,7 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
                 raise
             log.warning("extracting with transformers: %s", e)
     target = load_target(spec.target, place)
-    write_shards(hooked(target, job.layout), job.plan.shards, items, writer, progress, uploaded)
+    write_shards(hooked(target, job.layout, ctx.check), job.plan.shards, items, writer, progress, uploaded)
     bar.close()
     return {"engine": "transformers", "device": str(target.input_device), "processes": 1}
 

@@ -63,9 +63,10 @@ Capture = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 Shards = Sequence[list[Batch]] | Mapping[int, list[Batch]]  # a plan's shards (Plan.shards), or some of them by index
 
 
-def hooked(target: Target, layout: Layout) -> Capture:
-    """The transformers capture (eyas.capture: forward hooks on the layout's layers)."""
-    return lambda batch: capture(target, layout, *padded(batch))
+def hooked(target: Target, layout: Layout, check: Callable[[], None] | None = None) -> Capture:
+    """The transformers capture (eyas.capture: forward hooks on the layout's layers), `check()` (a cancel) before
+    every layer of a forward: a batch at the default batch_tokens takes seconds on a CPU."""
+    return lambda batch: capture(target, layout, *padded(batch), check=check)
 
 
 def write_shards(capture_batch: Capture, shards: Shards, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
