@@ -167,6 +167,7 @@ def test_answers_that_end_at_once_leave_no_draft_and_the_decision_says_it_cannot
     assert rec["decision"] == ("cannot tell whether this drafter pays: no drafts were measured at any K on 3 prompts "
                                "(answers that end at once leave nothing to draft); at K = 1 it would need τ ≥ 1.10 "
                                "at concurrency 1: evaluate on more prompts or longer answers")
+    assert reports.plot_serving(rec)[:8] == b"\x89PNG\r\n\x1a\n"  # a plot with no line in it
     ans = reports.answer(rec, 3)
     assert ans["serve"] is None and ans["gains"] == "not known: no drafts were measured"
     assert ans["next"].startswith("score more prompts or longer answers: 3 prompts gave no draft")

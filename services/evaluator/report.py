@@ -4,6 +4,8 @@ and report.html with PNG plots, rendered from the report's JSON form.
 report.json keys (REQUIRED are in any report, the others in every report the evaluator writes, live when
 measured; the model documents each):
   target, layout, k, per_position_accuracy, acceptance_length, per_position_acceptance, exports   REQUIRED
+  answer          first: serve the drafter or not (null: cannot tell), the exact --speculative-config, the predicted
+                  gain and where it stops, what to do next (answer() below; the HTML opens with it too)
   live            vLLM A/B: baseline / speculative tok/s, speed-up, τ and per-position acceptance from /metrics
   serve_with      the chat template kwargs (e.g. enable_thinking) the server must render prompts with
   acceptance      τ's counts (drafts, accepted per position), overall and per prompt, and how they were measured
@@ -11,10 +13,12 @@ measured; the model documents each):
   wiring, expected_acceptance_length, drafter, features, prompts, training
   compute         the device the target and drafter ran on, and their dtype
   serving         will it speed up serving (services/evaluator/serving.py): measured step times (target_s, drafter_s,
-                  source), τ per K (tau_per_k), predicted tok/s and speed-up per concurrency and K (table), the best
-                  K per concurrency (best), break_even_concurrency, speculative_config (the exact
-                  --speculative-config value), decision (one line), and live_check (measured vs predicted speed-up) with
-                  live_endpoints (the servers it ran against; "started": those the evaluator started and stopped)
+                  source, step_noise), τ per K (tau_per_k; null where no draft was measured) and the counts it rests
+                  on (evidence), predicted tok/s and speed-up with its range within the step times' noise per
+                  concurrency and K (table), the best measured K per concurrency (best; pays null: cannot tell),
+                  break_even_concurrency, speculative_config (the exact --speculative-config value), decision (one
+                  sentence), and live_check (measured vs predicted speed-up) with live_endpoints (the servers it ran
+                  against; "started": those the evaluator started and stopped)
 """
 from __future__ import annotations
 
@@ -134,6 +138,7 @@ def plot_serving(serving: dict[str, Any]) -> bytes:
         ax.scatter([run["concurrency"]], [run["measured_speedup"]], marker="x", color="black", zorder=3)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
+    ax.set_xlim(conc[0] / 1.5, conc[-1] * 1.5)  # set, not from the lines: with no K measured there are none
     ax.set_xticks(conc, [str(c) for c in conc])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("speed-up (predicted; × measured)")

@@ -40,7 +40,8 @@ def noise(readings: list[tuple[int, list[float]]]) -> list[tuple[int, float]]:
     repeats its fastest; one busy through every reading cannot, and says so here)."""
     out = []
     for x, r in readings:
-        first, second = (sorted(r) * 2)[:2]  # one reading: no spread to see
+        ordered = sorted(r)
+        first, second = ordered[0], ordered[min(1, len(ordered) - 1)]
         out.append((x, (second - first) / first if first > 0 else 0.0))
     return out
 
@@ -84,14 +85,14 @@ def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str
 
 
 def predict(times: costmodel.StepTimes, bounds: tuple[costmodel.StepTimes, costmodel.StepTimes],
-            per_k: dict[int, dict], prompts: int, model: str, method: str, k: int) -> dict:
+            per_k: dict[int, dict], prompts: int, model: str, method: str, evaluated_k: int) -> dict:
     """The recommendation (from the K whose τ was measured, within the step times' noise), the exact
-    --speculative-config for its K (`k`, the evaluated one, when no K was measured; model: where the server reads
-    the export), and the decision line with the counts it rests on."""
+    --speculative-config for its K (the evaluated one when no K was measured; model: where the server reads the
+    export), and the decision line with the counts it rests on."""
     rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()}, bounds=bounds,
                               evidence={"prompts": prompts,
                                         "drafts_per_k": {str(k): a["drafts"] for k, a in per_k.items()}})
-    rec["speculative_config"] = costmodel.speculative_config(model, rec["best"][0]["k"] or k, method)
+    rec["speculative_config"] = costmodel.speculative_config(model, rec["best"][0]["k"] or evaluated_k, method)
     rec["decision"] = costmodel.decision(rec)
     rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
     return rec
