@@ -79,7 +79,9 @@ def plot_acceptance(report: dict[str, Any]) -> bytes:
     ax.set_xticks(range(k), [f"pos {i + 1}" for i in range(k)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("rate")
-    ax.set_title(f"per-position acceptance, τ = {_fmt(report['acceptance_length'])}")
+    tau = report["acceptance_length"]
+    ax.set_title(f"per-position acceptance, τ = {_fmt(tau)}" if tau is not None
+                 else "per-position acceptance: no drafts measured")
     ax.legend(fontsize=8)
     return _png(fig)
 
@@ -203,8 +205,7 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
                    for k, t in serving["tau_per_k"].items())
     rows = "".join(
         f"<tr><th>{row['concurrency']}</th><td>{row['plain_tok_s']:.1f}</td>"
-        + "".join(f"<td>{_speedup(r) if r['speedup'] is not None else 'not measured'}</td>"
-                  for r in row["speculative"])
+        + "".join(f"<td>{_speedup(r) if r['speedup'] is not None else '—'}</td>" for r in row["speculative"])
         + f"<td>{_best_text(best)}</td></tr>"
         for row, best in zip(serving["table"], serving["best"], strict=True))
     table = (f"<table><tr><th>concurrent requests</th><th>plain tok/s</th>{head}<th>best K</th></tr>"
@@ -276,7 +277,8 @@ def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:
 def _answer_html(ans: dict[str, Any]) -> list[str]:
     verdict = {True: "Serve it", False: "Do not serve it", None: "Cannot tell yet"}[ans["serve"]]
     flag = "Serve it with" if ans["serve"] else "To try it, serve the target with"
-    return [f"<h2>{verdict}</h2>", f"<p class='answer'>{html.escape(ans['decision'])}.</p>",
+    sentence = ans["decision"][:1].upper() + ans["decision"][1:]
+    return [f"<h2>{verdict}</h2>", f"<p class='answer'>{html.escape(sentence)}.</p>",
             f"<p>{flag}</p><pre>--speculative-config '{html.escape(ans['speculative_config'])}'</pre>",
             _table([("predicted speed-up", ans["gains"]), ("speculation loses", ans["breaks_even"]),
                     ("next", ans["next"])])]
@@ -316,10 +318,11 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         ("acceptance length τ (replayed over the target's greedy output, incl. bonus)",
          report["acceptance_length"] if report["acceptance_length"] is not None
          else "not measured: no drafts at this K"),
-        ("per-position acceptance", report["per_position_acceptance"]),
+        ("per-position acceptance", report["per_position_acceptance"] if drafts != 0 else "not measured"),
         ("teacher-forced accuracy per TTT step", report["per_position_accuracy"] or "not measured (no features)"),
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
-        ("per position: measured / expected from accuracy", (report.get("acceptance_gap") or {}).get("ratio")),
+        ("per position: measured / expected from accuracy",
+         (report.get("acceptance_gap") or {}).get("ratio") if drafts != 0 else "not measured"),
         ("τ on the second held-out set", _second_set_text(report.get("second_set"))),
         ("τ per category", ", ".join(f"{cat} {_fmt(tau) if tau is not None else 'not measured'}"
                                      for cat, tau in (scored.get("per_category") or {}).items())
