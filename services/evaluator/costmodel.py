@@ -130,7 +130,7 @@ def recommend(times: StepTimes, taus: dict[int, float | None], concurrencies: tu
     # the τ the best K at concurrency 1 would need to break even there (no K measured: the cheapest K's)
     k1 = best[0]["k"] or min(taus)
     return {"tau_per_k": {str(k): t for k, t in sorted(taus.items())}, "table": table, "best": best,
-            # speculation loses above this concurrency (None: it pays up to the largest concurrency predicted)
+            # speculation loses above this concurrency (None: it pays up to the largest one predicted, or no K measured)
             "break_even_concurrency": break_even(times, taus, max(concurrencies)),
             "tau_needed": {"k": k1, "tau": times.spec_step(1, k1) / times.plain_step(1)},
             **({"evidence": evidence} if evidence else {})}

@@ -35,7 +35,9 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
 STEPS = 16  # tokens each request decodes per measured point
 READINGS = 5  # timed calls per in-process point: one reading of a step on a shared CPU is mostly noise
-STEP_TIMES_S = 25.0  # what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it)
+# what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it): 25 s at 2
+# readings a point, scaled by the calls READINGS makes (51 target and 42 drafter calls where there were 21 and 21)
+STEP_TIMES_S = 55.0
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> list[tuple[float, int]]:
