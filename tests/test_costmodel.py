@@ -231,8 +231,10 @@ def test_noisy_step_times_make_the_decision_cannot_tell_and_quiet_ones_decide():
                               f"predicted at K = 1, concurrency 1, but the step times' noise allows {low:.2f}–"
                               f"{high:.2f} × (τ 1.10 from 412 drafts on 16 prompts): measure the step times on the "
                               "serving engine (--endpoint)")
-    assert reports.answer({**busy, "decision": decision(busy), "speculative_config": "{}"}, 16)["next"].startswith(
-        "measure the step times on the serving engine")
+    ans = reports.answer({**busy, "decision": decision(busy), "speculative_config": "{}"}, 16)
+    assert ans["next"].startswith("measure the step times on the serving engine")
+    assert ans["breaks_even"].endswith("; within the step times' noise, though, that cannot be told at concurrency "
+                                       f"{', '.join(str(b['concurrency']) for b in busy['best'] if b['pays'] is None)}")
 
 
 def _measured_report(rec: dict, decoded: int = 1) -> dict:

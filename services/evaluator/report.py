@@ -180,15 +180,21 @@ def _speedup(point: dict[str, Any]) -> str:
 
 
 def break_even_text(serving: dict[str, Any]) -> str:
-    """Where speculation stops paying, as a sentence."""
+    """Where speculation stops paying, as a sentence (from the predicted speed-ups; where their range within the
+    step times' noise straddles 1, it says that this cannot be told there)."""
     up_to, best = serving["break_even_concurrency"], serving["best"]
     if best[0]["k"] is None:
         return "not known: no drafts were measured"
     if up_to is None:
-        return f"never, at any concurrency predicted (up to {best[-1]['concurrency']})"
-    if up_to == 0:
-        return "from the first request: it loses at every concurrency predicted"
-    return f"above {plural(up_to, 'concurrent request')}"
+        text = f"never, at any concurrency predicted (up to {best[-1]['concurrency']})"
+    elif up_to == 0:
+        text = "from the first request: it loses at every concurrency predicted"
+    else:
+        text = f"above {plural(up_to, 'concurrent request')}"
+    unsure = [str(b["concurrency"]) for b in best if b["k"] is not None and b["pays"] is None]
+    if unsure:
+        text += f"; within the step times' noise, though, that cannot be told at concurrency {', '.join(unsure)}"
+    return text
 
 
 def _noise_text(noise: list[list[float]] | None) -> str:
