@@ -244,6 +244,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
         reports.append(jobs[-1])
     print()
     _summary(jobs, plan.seconds, replanned)
+    for trained in drafters:  # handed over whatever the evaluation concluded
+        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (README: \"Serve the drafter\"):")
+        for name, uri in sorted(trained.artifacts.items()):
+            if name != "output":
+                print(f"  {name}: {uri}")
     report = jobs[-1]
     if report.stage != "evaluate" or report.state != "succeeded":
         print("pipeline did not finish; see the job records above")
@@ -253,11 +258,6 @@ def run_pipeline(args: argparse.Namespace) -> int:
           f"{time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
     for name, uri in sorted(report.artifacts.items()):
         print(f"  {name}: {uri}")
-    for trained in drafters:
-        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (README: \"Serve the drafter\"):")
-        for name, uri in sorted(trained.artifacts.items()):
-            if name != "output":
-                print(f"  {name}: {uri}")
     if report.metrics.get("serving_decision"):
         print(f"\n{report.metrics['serving_decision']}")
     if len(reports) > 1:
@@ -271,8 +271,12 @@ def _method_choice(report, concurrency: int) -> str:
 
     methods = json.loads(open_artifact(report.artifacts["output"]).get_bytes("report.json"))["serving"]["methods"]
     pick = min(methods["choice"], key=lambda c: abs(c["concurrency"] - concurrency))
-    table = "; ".join(f"{m['method']} " + ", ".join(f"{b['speedup']:.2f} × (K = {b['k']}) at {b['concurrency']}"
-                                                    for b in m["best"]) for m in methods["methods"])
+    table = "; ".join(f"{m['method']} " + ", ".join(
+        f"{b['speedup']:.2f} × (K = {b['k']}) at {b['concurrency']}" if b["k"] is not None
+        else f"not measured at {b['concurrency']}" for b in m["best"]) for m in methods["methods"])
+    if pick["method"] is None:
+        return (f"methods (predicted speed-up): {table}\nat concurrency {pick['concurrency']}: no method's "
+                "acceptance was measured")
     return (f"methods (predicted speed-up): {table}\nat concurrency {pick['concurrency']}: serve {pick['method']} "
             f"({pick['speedup']:.2f} ×, K = {pick['k']}): {pick['drafter']}")
 

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.evaluator.chains import chain_acceptance
+from services.evaluator import report as reports
+from services.evaluator.chains import chain_acceptance, replay
 from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend, speculative_config
 from services.evaluator.launch import vllm
+from services.evaluator.serving import fastest, noise, noise_bounds, predict
+from services.evaluator.steptime import readings
 
 # A memory-bound engine up to 32 tokens a step (10 ms whatever the batch), compute-bound beyond (linear); a drafter
 # step costs 1 ms at any batch.
@@ -52,8 +55,8 @@ def test_best_k_shrinks_and_speculation_loses_as_the_engine_becomes_compute_boun
     table = {row["concurrency"]: row for row in rec["table"]}
     assert [r["k"] for r in table[4]["speculative"]] == [1, 2, 3]
     assert table[4]["speculative"][0]["speedup"] == pytest.approx((4 * 1.8 / 0.011) / (4 / 0.010))
-    assert decision(rec) == (f"serve with K = 3 for up to {c} concurrent requests: 2.08 × faster "
-                             "(predicted, concurrency 1)")
+    assert decision(rec) == (f"serve with K = 3 for up to {c} concurrent requests: 2.08 × faster at concurrency 1 "
+                             "(predicted; τ 2.70)")
 
 
 def test_a_drafter_that_does_not_pay_says_what_tau_it_would_need():
@@ -63,13 +66,17 @@ def test_a_drafter_that_does_not_pay_says_what_tau_it_would_need():
     assert rec["tau_needed"] == {"k": 1, "tau": pytest.approx(1.1)}
     assert decision(rec) == ("this drafter does not pay on this engine: τ 1.02 needs ≥ 1.10 (K = 1, "
                              "concurrency 1)")
+    # with the counts it rests on
+    rec = recommend(ENGINE, BAD, evidence={"prompts": 16, "drafts_per_k": {"1": 412, "2": 300, "3": 1}})
+    assert decision(rec) == ("this drafter does not pay on this engine: τ 1.02 from 412 drafts on 16 prompts needs "
+                             "≥ 1.10 (K = 1, concurrency 1)")
 
 
 def test_pays_at_every_concurrency_predicted():
     flat = StepTimes(target=[(1, 0.010), (1024, 0.010)], drafter=[(1, 0.0)])
     rec = recommend(flat, GOOD)
     assert rec["break_even_concurrency"] is None
-    assert decision(rec).startswith("serve with K = 3 for 64 or more concurrent requests: 2.70 × faster")
+    assert decision(rec).startswith("serve with K = 3 at every concurrency predicted (up to 64): 2.70 × faster")
 
 
 def test_speculative_config_is_what_vllm_takes():
@@ -133,3 +140,129 @@ def test_a_parallel_drafter_pays_one_forward_for_k_drafts_and_the_comparison_pic
         {"method": "eagle3", "drafter": "a", "tau_per_k": GOOD, "drafter_s": free},
         {"method": "peagle", "drafter": "b", "tau_per_k": lower, "drafter_s": free}])
     assert {c["method"] for c in out["choice"]} == {"eagle3"}
+
+
+def test_a_k_without_drafts_is_reported_as_not_measured_and_the_decision_rests_on_the_others():
+    """K = 3 had no drafts (τ None): its row says so, the best K and the decision come from K = 1 and 2, and the
+    decision quotes the counts τ rests on."""
+    evidence = {"prompts": 16, "drafts_per_k": {"1": 412, "2": 260, "3": 0}}
+    rec = recommend(ENGINE, {1: 1.8, 2: 2.4, 3: None}, evidence=evidence)
+    row = rec["table"][0]["speculative"][2]
+    assert (row["k"], row["tau"], row["tok_s"], row["speedup"]) == (3, None, None, None)
+    assert {b["k"] for b in rec["best"][:2]} <= {1, 2} and rec["best"][0]["k"] == 2
+    assert rec["break_even_concurrency"] is not None and rec["break_even_concurrency"] >= 1
+    assert decision(rec).endswith("(predicted; τ 2.40 from 260 drafts on 16 prompts)")
+    assert "no drafts measured at K = 3" in reports.render_html(_measured_report(rec), [])
+
+
+def test_answers_that_end_at_once_leave_no_draft_and_the_decision_says_it_cannot_tell():
+    """Every prompt's answer is one token (it ended at once): the replay counts no draft at any K, τ is None
+    everywhere; the prediction, the method comparison and the report's answer still come out, saying so."""
+    per_k = replay([[7], [3], [0]], [1, 2, 3])
+    assert all(a["drafts"] == 0 and a["acceptance_length"] is None for a in per_k.values())
+    rec = predict(ENGINE, (ENGINE, ENGINE), per_k, 3, "DIR/eagle", "eagle3", 3)
+    assert all(b["k"] is None and b["pays"] is None for b in rec["best"])
+    assert rec["break_even_concurrency"] is None
+    assert json.loads(rec["speculative_config"])["num_speculative_tokens"] == 3  # the evaluated K, to try it
+    assert rec["decision"] == ("cannot tell whether this drafter pays: no drafts were measured at any K on 3 prompts "
+                               "(answers that end at once leave nothing to draft); at K = 1 it would need τ ≥ 1.10 "
+                               "at concurrency 1: evaluate on more prompts or longer answers")
+    assert reports.plot_serving(rec)[:8] == b"\x89PNG\r\n\x1a\n"  # a plot with no line in it
+    ans = reports.answer(rec, 3)
+    assert ans["serve"] is None and ans["gains"] == "not known: no drafts were measured"
+    assert ans["next"].startswith("score more prompts or longer answers: 3 prompts gave no draft")
+    # beside a drafter whose τ was measured, the comparison picks that one; with none measured, none
+    from services.evaluator.serving import compare_methods
+
+    free = [(1, 0.0), (512, 0.0)]
+    none = {1: None, 2: None, 3: None}
+    out = compare_methods(ENGINE.target, [
+        {"method": "eagle3", "drafter": "a", "tau_per_k": none, "drafter_s": free},
+        {"method": "peagle", "drafter": "b", "tau_per_k": GOOD, "drafter_s": free}])
+    assert {c["method"] for c in out["choice"]} == {"peagle"}
+    out = compare_methods(ENGINE.target, [{"method": "eagle3", "drafter": "a", "tau_per_k": none,
+                                           "drafter_s": free}])
+    assert all(c["method"] is None and c["speedup"] is None for c in out["choice"])
+
+
+# Recorded in-process readings (seconds) of a target forward over n tokens and a draft step at batch b: five per
+# point, in the order they were read. On a quiet machine the fastest repeats; on a busy one (the first reading of
+# 1, 2 and 4 tokens read 55, 88 and 76 ms) only one reading per point came through undisturbed.
+QUIET_TARGET = [(1, [0.0502, 0.0500, 0.0501, 0.0530, 0.0500]), (2, [0.0521, 0.0520, 0.0520, 0.0522, 0.0560]),
+                (4, [0.0550, 0.0551, 0.0551, 0.0550, 0.0590]), (8, [0.0600, 0.0601, 0.0605, 0.0600, 0.0600])]
+BUSY_TARGET = [(1, [0.055, 0.050, 0.061, 0.059, 0.057]), (2, [0.088, 0.052, 0.067, 0.058, 0.071]),
+               (4, [0.076, 0.055, 0.062, 0.069, 0.060]), (8, [0.060, 0.071, 0.066, 0.064, 0.069])]
+DRAFTER = [(1, [0.0040, 0.0040, 0.0041, 0.0040, 0.0052]), (64, [0.0040, 0.0041, 0.0040, 0.0040, 0.0040])]
+CLOSE = {1: 1.10, 2: 1.12, 3: 1.13}  # τ(K) that leaves the speed-up near 1 at concurrency 1
+
+
+def _from_readings(target, drafter=DRAFTER):
+    times = StepTimes(target=fastest(target), drafter=fastest(drafter))
+    return times, noise_bounds(times, noise(target), noise(drafter))
+
+
+def test_step_times_are_the_fastest_of_their_readings_and_their_spread_is_the_noise():
+    assert fastest(BUSY_TARGET)[:3] == [(1, 0.050), (2, 0.052), (4, 0.055)]
+    assert dict(noise(BUSY_TARGET))[2] == pytest.approx((0.058 - 0.052) / 0.052)
+    assert dict(noise(QUIET_TARGET))[1] == 0.0  # the fastest came twice
+    times, (fast, slow) = _from_readings(BUSY_TARGET)
+    assert fast.plain_step(2) == pytest.approx(0.052 * (1 - 0.006 / 0.052))
+    assert slow.plain_step(2) == pytest.approx(0.058)
+    got = readings(lambda: None, repeats=4, warm_up=False)
+    assert len(got) == 4 and got == sorted(got)  # fastest first
+
+
+def test_noisy_step_times_make_the_decision_cannot_tell_and_quiet_ones_decide():
+    """The same τ and the same fastest readings: on the quiet machine's readings the speed-up is below 1 within
+    their noise (does not pay); on the busy one's, its interval straddles 1 (cannot tell, with the numbers)."""
+    times, bounds = _from_readings(QUIET_TARGET)
+    quiet = recommend(times, CLOSE, bounds=bounds)
+    low, high = quiet["best"][0]["speedup_range"]
+    assert high < 1.0 and quiet["best"][0]["pays"] is False
+    assert decision(quiet).startswith("this drafter does not pay on this engine: τ 1.10 needs ≥ 1.12 (K = 1, "
+                                      "concurrency 1")
+    times, bounds = _from_readings(BUSY_TARGET)
+    busy = recommend(times, CLOSE, bounds=bounds, evidence={"prompts": 16, "drafts_per_k": {"1": 412}})
+    first = busy["best"][0]
+    low, high = first["speedup_range"]
+    assert low < 1.0 < high and first["pays"] is None
+    assert first["speedup"] == quiet["best"][0]["speedup"]  # the point estimate alone would say "does not pay"
+    assert decision(busy) == (f"cannot tell whether this drafter pays on this engine: {first['speedup']:.2f} × "
+                              f"predicted at K = 1, concurrency 1, but the step times' noise allows {low:.2f}–"
+                              f"{high:.2f} × (τ 1.10 from 412 drafts on 16 prompts): measure the step times on the "
+                              "serving engine (--endpoint)")
+    ans = reports.answer({**busy, "decision": decision(busy), "speculative_config": "{}"}, 16)
+    assert ans["next"].startswith("measure the step times on the serving engine")
+    assert ans["breaks_even"].endswith("; within the step times' noise, though, that cannot be told at concurrency "
+                                       f"{', '.join(str(b['concurrency']) for b in busy['best'] if b['pays'] is None)}")
+
+
+def _measured_report(rec: dict, decoded: int = 1) -> dict:
+    """A report's JSON form around a recommendation, as the evaluator writes it (rendered without plots)."""
+    serving = {**rec, "decision": decision(rec), "speculative_config": speculative_config("DIR/eagle", 3),
+               "source": {"target": "in-process", "drafter": "in-process"},
+               "step_noise": {"target": [(1, 0.02), (2, 0.10)], "drafter": [(1, 0.01)]}}
+    return {"answer": reports.answer(serving, 16), "target": "t", "layout": {"aux_layers": [1, 14, 26]}, "k": 3,
+            "per_position_accuracy": [], "acceptance_length": 1.4, "per_position_acceptance": [0.3, 0.08, 0.02],
+            "exports": {"eagle": "DIR/eagle"}, "serving": serving,
+            "acceptance": {"prompts": 1, "max_new_tokens": 1, "drafts": 1, "accepted_per_pos": [1, 0, 0]},
+            "in_process": {"prompts": decoded, "matches_greedy": True, "greedy_mismatches": [],
+                           "replay_matches": True}}
+
+
+def test_the_report_opens_with_the_answer_and_reads_as_sentences():
+    """The HTML leads with the verdict, the exact --speculative-config, the gain and the next step, then the
+    evidence; counts are pluralised and a drafter that never pays says so in words."""
+    page = reports.render_html(_measured_report(recommend(ENGINE, GOOD), decoded=2), [])
+    assert page.index("<h2>Serve it</h2>") < page.index("--speculative-config '{&quot;method&quot;: &quot;eagle3")
+    assert page.index("--speculative-config") < page.index("<h2>Evidence</h2>")
+    assert "speculative output equals plain greedy output on all 2 prompts" in page
+    assert "1 prompt of the prompt file, answered in up to 1 token" in page and "1 prompts" not in page
+    assert "1 draft, 1 token accepted" in page
+    never = reports.render_html(_measured_report(recommend(ENGINE, BAD)), [])
+    assert "<h2>Do not serve it</h2>" in never and "concurrency 0" not in never
+    assert "from the first request: it loses at every concurrency predicted" in never
+    assert "speculative output equals plain greedy output on 1 prompt;" in never
+    flat = StepTimes(target=[(1, 0.010), (1024, 0.010)], drafter=[(1, 0.0)])
+    assert "never, at any concurrency predicted (up to 64)" in reports.render_html(
+        _measured_report(recommend(flat, GOOD)), [])

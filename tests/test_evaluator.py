@@ -119,6 +119,28 @@ def test_report_artifact_has_the_contract_fields_and_plots(evaluated):
         assert out.get_bytes(png)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_thin_evaluation_writes_a_report_that_says_nothing_was_measured(pipeline):
+    """Answers of one token end before any draft can be checked (as a target whose answers come back empty does):
+    the evaluation still succeeds and writes its report, whose serving answer says no drafts were measured
+    instead of raising."""
+    emb, drafter, _ = pipeline
+    [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 1,
+                                     "second_prompts": None})
+    assert job.state == "succeeded", job.error
+    out = open_artifact(job.artifacts["output"])
+    report = json.loads(out.get_bytes("report.json"))
+    assert report["acceptance"]["drafts"] == 0 and report["acceptance_length"] is None
+    serving = report["serving"]
+    assert set(serving["tau_per_k"].values()) == {None} and serving["evidence"]["prompts"] == 2
+    assert serving["decision"].startswith("cannot tell whether this drafter pays: no drafts were measured at any K "
+                                          "on 2 prompts")
+    assert job.metrics["serving_decision"] == serving["decision"] == report["answer"]["decision"]
+    assert report["answer"]["serve"] is None and list(report)[0] == "answer"
+    page = out.get_bytes("report.html").decode()
+    assert "<h2>Cannot tell yet</h2>" in page and "no drafts measured at K = 3" in page
+    assert "in-process transformers forward" in serving["source"]["target"] and "fastest of 5 readings" in page
+
+
 def test_speculative_output_equals_plain_greedy_and_counts_like_vllm(pipeline):
     _, drafter, prompt_file = pipeline
     target = load_target(BUNDLED)

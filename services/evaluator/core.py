@@ -385,17 +385,17 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target),
                                                                        check=ctx.check))
                                      if command else None)
-        times, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint, api_key,
-                                                ctx.check)
-        out = {**measured, **serving.predict(times, per_k, model, method)}
+        times, bounds, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint,
+                                                        api_key, ctx.check)
+        out = {**measured, **serving.predict(times, bounds, per_k, len(prompts), model, method, spec.k)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
                 {"method": method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"], "drafter_s": times.drafter},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:
-            config = json.loads(costmodel.speculative_config(str(subject.local / served), out["best"][0]["k"],
-                                                             method))
+            config = json.loads(costmodel.speculative_config(str(subject.local / served),
+                                                             out["best"][0]["k"] or spec.k, method))
             spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config,
                                                               check=ctx.check))
         if endpoint and spec_endpoint:
@@ -413,6 +413,7 @@ def _report(spec: Spec, subject: Subject, wiring: dict, accuracy: Accuracy, repl
     scored = replayed.per_k[spec.k]
     acc = accuracy.per_step
     return Report(
+        answer=reports.answer(served, len(replayed.prompts)),
         target=spec.target,
         layout=subject.layout.to_dict(),
         method=subject.facts.method,

@@ -72,45 +72,104 @@ def speculative_config(model: str, k: int, method: str = "eagle3") -> str:
     return json.dumps({**config, "parallel_drafting": True} if method == "peagle" else config)
 
 
-def break_even(times: StepTimes, taus: dict[int, float], up_to: int) -> int | None:
-    """The largest concurrency c ≤ up_to at which some K still pays (speed-up > 1), every c below it paying too;
-    0 if none pays at c = 1, None if some K pays at every c ≤ up_to."""
+def _measured(taus: dict[int, float | None]) -> dict[int, float]:
+    """The K whose τ was measured (a K with no drafts, e.g. every answer ended at once, has τ None)."""
+    return {k: t for k, t in taus.items() if t is not None}
+
+
+def break_even(times: StepTimes, taus: dict[int, float | None], up_to: int) -> int | None:
+    """The largest concurrency c ≤ up_to at which some measured K still pays (speed-up > 1), every c below it paying
+    too; 0 if none pays at c = 1, None if some K pays at every c ≤ up_to or no K was measured."""
+    measured = _measured(taus)
+    if not measured:
+        return None
     for c in range(1, up_to + 1):
-        if max(times.spec_tok_s(c, k, t) for k, t in taus.items()) <= times.plain_tok_s(c):
+        if max(times.spec_tok_s(c, k, t) for k, t in measured.items()) <= times.plain_tok_s(c):
             return c - 1
     return None
 
 
-def recommend(times: StepTimes, taus: dict[int, float], concurrencies: tuple[int, ...] = CONCURRENCIES) -> dict:
-    """Predicted tokens/s with and without speculation per (concurrency, K) for the K in `taus` (K → τ(K)), the
-    best K per concurrency with its speed-up, and where speculation stops paying."""
+def speedup_range(bounds: tuple[StepTimes, StepTimes], c: int, k: int, tau: float) -> tuple[float, float]:
+    """The speed-up's interval when every step time may lie between the two bounds' (fastest, slowest): the
+    plain step at its fastest against the speculative step at its slowest, and the other way round."""
+    fast, slow = bounds
+    return (tau * fast.plain_step(c) / slow.spec_step(c, k), tau * slow.plain_step(c) / fast.spec_step(c, k))
+
+
+def _verdict(low: float, high: float) -> bool | None:
+    """Pays (the whole interval above 1), does not (none of it), or cannot tell (it straddles 1): None."""
+    return True if low > 1.0 else False if high <= 1.0 else None
+
+
+def recommend(times: StepTimes, taus: dict[int, float | None], concurrencies: tuple[int, ...] = CONCURRENCIES,
+              bounds: tuple[StepTimes, StepTimes] | None = None, evidence: dict | None = None) -> dict:
+    """Predicted tokens/s with and without speculation per (concurrency, K) for the K in `taus` (K → τ(K), None
+    where no draft was measured), the best measured K per concurrency with its speed-up, its interval under the
+    step times' noise (`bounds`: the step times at their fastest and slowest; none: exact) and whether it pays
+    (None: cannot tell), and where speculation stops paying. `evidence` ({"prompts", "drafts_per_k"}) is what τ
+    rests on; the decision quotes it."""
+    bounds = bounds or (times, times)
     table, best = [], []
     for c in concurrencies:
         plain = times.plain_tok_s(c)
-        rows = [{"k": k, "tau": t, "tok_s": times.spec_tok_s(c, k, t), "step_s": times.spec_step(c, k)}
-                for k, t in sorted(taus.items())]
-        for r in rows:
-            r["speedup"] = r["tok_s"] / plain
+        rows = []
+        for k, t in sorted(taus.items()):
+            rows.append({"k": k, "tau": t, "step_s": times.spec_step(c, k), "tok_s": None, "speedup": None,
+                         "speedup_range": None})
+            if t is not None:
+                tok_s = times.spec_tok_s(c, k, t)
+                rows[-1].update(tok_s=tok_s, speedup=tok_s / plain, speedup_range=list(speedup_range(bounds, c, k, t)))
         table.append({"concurrency": c, "plain_tok_s": plain, "plain_step_s": times.plain_step(c),
                       "speculative": rows})
-        top = max(rows, key=lambda r: r["speedup"])
-        best.append({"concurrency": c, "k": top["k"], "speedup": top["speedup"], "pays": top["speedup"] > 1.0})
-    k1 = best[0]["k"]
+        measured = [r for r in rows if r["speedup"] is not None]
+        top = max(measured, key=lambda r: r["speedup"]) if measured else None
+        best.append({"concurrency": c, "k": top and top["k"], "speedup": top and top["speedup"],
+                     "speedup_range": top and top["speedup_range"],
+                     "pays": top and _verdict(*top["speedup_range"])})
+    # the τ the best K at concurrency 1 would need to break even there (no K measured: the cheapest K's)
+    k1 = best[0]["k"] or min(taus)
     return {"tau_per_k": {str(k): t for k, t in sorted(taus.items())}, "table": table, "best": best,
-            # speculation loses above this concurrency (None: it pays up to the largest concurrency predicted)
+            # speculation loses above this concurrency (None: it pays up to the largest one predicted, or no K measured)
             "break_even_concurrency": break_even(times, taus, max(concurrencies)),
-            # the τ the best K at concurrency 1 would need to break even there
-            "tau_needed": {"k": k1, "tau": times.spec_step(1, k1) / times.plain_step(1)}}
+            "tau_needed": {"k": k1, "tau": times.spec_step(1, k1) / times.plain_step(1)},
+            **({"evidence": evidence} if evidence else {})}
+
+
+def plural(n: int, noun: str) -> str:
+    """"1 prompt", "2 prompts"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _rests_on(rec: dict, k: int) -> str:
+    """τ at K with the counts it rests on: "τ 1.21 from 412 drafts on 16 prompts"."""
+    tau, evidence = rec["tau_per_k"][str(k)], rec.get("evidence")
+    if not evidence:
+        return f"τ {tau:.2f}"
+    return (f"τ {tau:.2f} from {plural(evidence['drafts_per_k'][str(k)], 'draft')} on "
+            f"{plural(evidence['prompts'], 'prompt')}")
 
 
 def decision(rec: dict) -> str:
-    """The recommendation in one line."""
-    first = rec["best"][0]
+    """The recommendation in one sentence, from the K that were measured, with the counts it rests on."""
+    first, need = rec["best"][0], rec["tau_needed"]
+    c = first["concurrency"]
+    if first["k"] is None:
+        evidence = rec.get("evidence")
+        on = f" on {plural(evidence['prompts'], 'prompt')}" if evidence else ""
+        return (f"cannot tell whether this drafter pays: no drafts were measured at any K{on} (answers that end at "
+                f"once leave nothing to draft); at K = {need['k']} it would need τ ≥ {need['tau']:.2f} at "
+                f"concurrency {c}: evaluate on more prompts or longer answers")
+    k, low, high = first["k"], *first["speedup_range"]
+    noise = f", {low:.2f}–{high:.2f} × within the step times' noise" if high - low > 1e-9 else ""
+    if first["pays"] is None:
+        return (f"cannot tell whether this drafter pays on this engine: {first['speedup']:.2f} × predicted at "
+                f"K = {k}, concurrency {c}, but the step times' noise allows {low:.2f}–{high:.2f} × "
+                f"({_rests_on(rec, k)}): measure the step times on the serving engine (--endpoint)")
     if not first["pays"]:
-        need = rec["tau_needed"]
-        return (f"this drafter does not pay on this engine: τ {rec['tau_per_k'][str(need['k'])]:.2f} "
-                f"needs ≥ {need['tau']:.2f} (K = {need['k']}, concurrency {first['concurrency']})")
+        return (f"this drafter does not pay on this engine: {_rests_on(rec, need['k'])} needs ≥ {need['tau']:.2f} "
+                f"(K = {need['k']}, concurrency {c}{noise})")
     up_to = rec["break_even_concurrency"]
-    limit = f"up to {up_to}" if up_to is not None else f"{rec['best'][-1]['concurrency']} or more"
-    return (f"serve with K = {first['k']} for {limit} concurrent requests: {first['speedup']:.2f} × faster "
-            f"(predicted, concurrency {first['concurrency']})")
+    limit = (f"for up to {plural(up_to, 'concurrent request')}" if up_to is not None
+             else f"at every concurrency predicted (up to {rec['best'][-1]['concurrency']})")
+    return (f"serve with K = {k} {limit}: {first['speedup']:.2f} × faster at concurrency {c} "
+            f"(predicted{noise}; {_rests_on(rec, k)})")

@@ -209,12 +209,14 @@ class StepSource(_Model):
 
 
 class SpeculativePoint(_Model):
-    """Predicted speculative decoding at one (concurrency, K)."""
+    """Predicted speculative decoding at one (concurrency, K); tau, tok_s, speedup and speedup_range null where no
+    draft was measured at this K."""
     k: int
-    tau: float
-    tok_s: float
+    tau: float | None
+    tok_s: float | None
     step_s: float
-    speedup: float
+    speedup: float | None
+    speedup_range: list[float] | None = Field(description="[low, high]: the speed-up within the step times' noise")
 
 
 class ServingRow(_Model):
@@ -226,14 +228,17 @@ class ServingRow(_Model):
 
 
 class BestK(_Model):
+    """The best measured K at one concurrency; k, speedup and speedup_range null where no K was measured."""
     concurrency: int
-    k: int
-    speedup: float
-    pays: bool
+    k: int | None
+    speedup: float | None
+    speedup_range: list[float] | None = Field(description="[low, high] within the step times' noise")
+    pays: bool | None = Field(description="the whole interval above 1 (true), none of it (false); null: cannot tell "
+                              "(it straddles 1) or no K measured")
 
 
 class TauNeeded(_Model):
-    """The τ the best K at concurrency 1 would need to break even there."""
+    """The τ the best K at concurrency 1 (no K measured: the cheapest) would need to break even there."""
     k: int
     tau: float
 
@@ -247,10 +252,10 @@ class LiveEndpoints(_Model):
 class LiveCheck(_Model):
     """The A/B at one concurrency against the prediction for the K the speculative server runs."""
     concurrency: int
-    k: int
-    predicted_speedup: float
+    k: int | None = Field(description="the K the server ran (its counters); null: it drafted nothing")
+    predicted_speedup: float | None = Field(description="null: no τ measured in-process at that K")
     measured_speedup: float = Field(description="while every stream decodes")
-    relative_error: float
+    relative_error: float | None
     decode_tok_s: list[float] = Field(description="plain, speculative")
     measured_end_to_end_speedup: float
     baseline_tok_s: float
@@ -268,11 +273,12 @@ class MethodBest(_Model):
 
 
 class MethodChoice(_Model):
+    """The drafter predicted fastest at one concurrency; all null where no drafter's τ was measured."""
     concurrency: int
-    method: str
-    drafter: str
-    k: int
-    speedup: float
+    method: str | None
+    drafter: str | None
+    k: int | None
+    speedup: float | None
 
 
 class Methods(_Model):
@@ -281,17 +287,32 @@ class Methods(_Model):
     choice: list[MethodChoice]
 
 
+class Evidence(_Model):
+    """What τ rests on."""
+    prompts: int
+    drafts_per_k: dict[str, int]
+
+
+class StepNoise(_Model):
+    """Each in-process point's noise: how far its second fastest reading lies above the fastest, relative."""
+    target: list[tuple[int, float]] | None = Field(description="null: the target's times come from a vLLM endpoint")
+    drafter: list[tuple[int, float]]
+
+
 class Serving(_Model):
     """Will this drafter speed up serving (services.evaluator.serving): measured step times, predicted tok/s and
     speed-up per concurrency and K, the best K, and the live check when vLLM was at hand."""
     source: StepSource
     target_s: list[tuple[int, float]] = Field(description="(tokens in one target forward, seconds)")
     drafter_s: list[tuple[int, float]] = Field(description="(batch, seconds of one draft step)")
-    tau_per_k: dict[str, float] = Field(description="K → τ(K)")
+    step_noise: StepNoise
+    tau_per_k: dict[str, float | None] = Field(description="K → τ(K); null: no draft measured at that K")
+    evidence: Evidence
     table: list[ServingRow]
     best: list[BestK] = Field(description="the best K per concurrency")
     break_even_concurrency: int | None = Field(
-        description="speculation loses above this concurrency; null: it pays up to the largest one predicted")
+        description="speculation loses above this concurrency; null: it pays up to the largest one predicted, or "
+                    "no K was measured")
     tau_needed: TauNeeded
     speculative_config: str = Field(description="the exact --speculative-config value")
     decision: str = Field(description="the recommendation in one line")
@@ -301,10 +322,22 @@ class Serving(_Model):
     live_check: list[LiveCheck] | None = _absent("measured vs predicted speed-up; absent without vLLM")
 
 
+class Answer(_Model):
+    """The report's opening: serve the drafter or not, how, what it gains, and what to do next."""
+    decision: str = Field(description="serving.decision: the recommendation in one sentence")
+    serve: bool | None = Field(description="null: cannot tell (the speed-up's interval straddles 1, or no drafts "
+                               "were measured)")
+    speculative_config: str = Field(description="the exact vLLM --speculative-config value")
+    gains: str = Field(description="the predicted speed-up per concurrency, in words")
+    breaks_even: str = Field(description="where speculation stops paying, in words")
+    next: str = Field(description="what to do next")
+
+
 class Report(_Model):
     """An evaluation report (report.json). The evaluator writes every field, `live` only when it was given an
     endpoint; report.REQUIRED names the core any report has (what services.evaluator.report.build checks in a
     report's JSON form)."""
+    answer: Answer = Field(description="the answer first: serve it or not, how, what it gains, what next")
     target: str
     layout: dict[str, Any] = Field(description="the drafter's layout (eyas.layout.Layout.to_dict())")
     method: str = Field("eagle3", description="eagle3 (a chain: one drafter step per draft token), peagle or dflash "

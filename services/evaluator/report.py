@@ -4,6 +4,8 @@ and report.html with PNG plots, rendered from the report's JSON form.
 report.json keys (REQUIRED are in any report, the others in every report the evaluator writes, live when
 measured; the model documents each):
   target, layout, k, per_position_accuracy, acceptance_length, per_position_acceptance, exports   REQUIRED
+  answer          first: serve the drafter or not (null: cannot tell), the exact --speculative-config, the predicted
+                  gain and where it stops, what to do next (answer() below; the HTML opens with it too)
   live            vLLM A/B: baseline / speculative tok/s, speed-up, τ and per-position acceptance from /metrics
   serve_with      the chat template kwargs (e.g. enable_thinking) the server must render prompts with
   acceptance      τ's counts (drafts, accepted per position), overall and per prompt, and how they were measured
@@ -11,10 +13,12 @@ measured; the model documents each):
   wiring, expected_acceptance_length, drafter, features, prompts, training
   compute         the device the target and drafter ran on, and their dtype
   serving         will it speed up serving (services/evaluator/serving.py): measured step times (target_s, drafter_s,
-                  source), τ per K (tau_per_k), predicted tok/s and speed-up per concurrency and K (table), the best
-                  K per concurrency (best), break_even_concurrency, speculative_config (the exact
-                  --speculative-config value), decision (one line), and live_check (measured vs predicted speed-up) with
-                  live_endpoints (the servers it ran against; "started": those the evaluator started and stopped)
+                  source, step_noise), τ per K (tau_per_k; null where no draft was measured) and the counts it rests
+                  on (evidence), predicted tok/s and speed-up with its range within the step times' noise per
+                  concurrency and K (table), the best measured K per concurrency (best; pays null: cannot tell),
+                  break_even_concurrency, speculative_config (the exact --speculative-config value), decision (one
+                  sentence), and live_check (measured vs predicted speed-up) with live_endpoints (the servers it ran
+                  against; "started": those the evaluator started and stopped)
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Any
 
 import matplotlib
 
+from services.evaluator.costmodel import plural
 from services.evaluator.model import Report
 
 matplotlib.use("Agg")
@@ -74,7 +79,9 @@ def plot_acceptance(report: dict[str, Any]) -> bytes:
     ax.set_xticks(range(k), [f"pos {i + 1}" for i in range(k)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("rate")
-    ax.set_title(f"per-position acceptance, τ = {_fmt(report['acceptance_length'])}")
+    tau = report["acceptance_length"]
+    ax.set_title(f"per-position acceptance, τ = {_fmt(tau)}" if tau is not None
+                 else "per-position acceptance: no drafts measured")
     ax.legend(fontsize=8)
     return _png(fig)
 
@@ -127,11 +134,13 @@ def plot_serving(serving: dict[str, Any]) -> bytes:
     conc = [row["concurrency"] for row in serving["table"]]
     for j, k in enumerate(serving["tau_per_k"]):
         ys = [next(r["speedup"] for r in row["speculative"] if str(r["k"]) == k) for row in serving["table"]]
+        ys = [float("nan") if y is None else y for y in ys]  # no drafts measured at this K: no line
         ax.plot(conc, ys, "o-", color=f"C{j}", ms=3, lw=1, label=f"K = {k}")
     for run in serving.get("live_check") or []:
         ax.scatter([run["concurrency"]], [run["measured_speedup"]], marker="x", color="black", zorder=3)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
+    ax.set_xlim(conc[0] / 1.5, conc[-1] * 1.5)  # set, not from the lines: with no K measured there are none
     ax.set_xticks(conc, [str(c) for c in conc])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("speed-up (predicted; × measured)")
@@ -163,39 +172,122 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return f"<table>{body}</table>"
 
 
+def _speedup(point: dict[str, Any]) -> str:
+    """"1.08 ×", with its interval under the step times' noise when that is wider than the rounding."""
+    low, high = point.get("speedup_range") or (point["speedup"], point["speedup"])
+    noise = f" ({low:.2f}–{high:.2f})" if f"{low:.2f}" != f"{high:.2f}" else ""
+    return f"{point['speedup']:.2f} ×{noise}"
+
+
+def break_even_text(serving: dict[str, Any]) -> str:
+    """Where speculation stops paying, as a sentence (from the predicted speed-ups; where their range within the
+    step times' noise straddles 1, it says that this cannot be told there)."""
+    up_to, best = serving["break_even_concurrency"], serving["best"]
+    if best[0]["k"] is None:
+        return "not known: no drafts were measured"
+    if up_to is None:
+        text = f"never, at any concurrency predicted (up to {best[-1]['concurrency']})"
+    elif up_to == 0:
+        text = "from the first request: it loses at every concurrency predicted"
+    else:
+        text = f"above {plural(up_to, 'concurrent request')}"
+    unsure = [str(b["concurrency"]) for b in best if b["k"] is not None and b["pays"] is None]
+    if unsure:
+        text += f"; within the step times' noise, though, that cannot be told at concurrency {', '.join(unsure)}"
+    return text
+
+
+def _noise_text(noise: list[list[float]] | None) -> str:
+    if not noise:
+        return "not estimated (one reading per point)"
+    rel = sorted(r for _, r in noise)
+    return f"±{rel[len(rel) // 2]:.1%} at the median point, ±{rel[-1]:.1%} at the worst"
+
+
 def _serving_html(serving: dict[str, Any]) -> list[str]:
     ks = list(serving["tau_per_k"])
     head = "".join(f"<th>K = {html.escape(k)}</th>" for k in ks)
+    taus = "".join(f"<td>{t:.3f}</td>" if t is not None else f"<td>no drafts measured at K = {html.escape(k)}</td>"
+                   for k, t in serving["tau_per_k"].items())
     rows = "".join(
         f"<tr><th>{row['concurrency']}</th><td>{row['plain_tok_s']:.1f}</td>"
-        + "".join(f"<td>{r['speedup']:.2f}</td>" for r in row["speculative"])
-        + f"<td>{best['k']} ({best['speedup']:.2f} ×)</td></tr>"
+        + "".join(f"<td>{_speedup(r) if r['speedup'] is not None else '—'}</td>" for r in row["speculative"])
+        + f"<td>{_best_text(best)}</td></tr>"
         for row, best in zip(serving["table"], serving["best"], strict=True))
-    table = (f"<table><tr><th>concurrency</th><th>plain tok/s</th>{head}<th>best K</th></tr>"
-             f"<tr><th>τ(K)</th><td></td>{''.join(f'<td>{t:.3f}</td>' for t in serving['tau_per_k'].values())}"
-             f"<td></td></tr>{rows}</table>")
-    summary = [("decision", serving["decision"]), ("--speculative-config", serving["speculative_config"]),
-               ("speculation loses above concurrency", serving["break_even_concurrency"]),
-               ("target step time from", serving["source"]["target"]),
-               ("drafter step time from", serving["source"]["drafter"])]
-    parts = ["<h2>Serving: predicted speed-up per concurrency and K</h2>", _table(summary), table]
+    table = (f"<table><tr><th>concurrent requests</th><th>plain tok/s</th>{head}<th>best K</th></tr>"
+             f"<tr><th>τ(K)</th><td></td>{taus}<td></td></tr>{rows}</table>")
+    noise = serving.get("step_noise") or {}
+    summary = [("speculation loses", break_even_text(serving)),
+               ("target step times", serving["source"]["target"]),
+               ("their noise", _noise_text(noise.get("target"))),
+               ("drafter step times", serving["source"]["drafter"]),
+               ("their noise", _noise_text(noise.get("drafter")))]
+    parts = ["<h2>Serving: predicted speed-up per concurrency and K</h2>",
+             "<p>Speed-up of speculative over plain decoding in tokens/s, predicted from τ(K) and the step times "
+             "below; in brackets, its range within the step times' noise.</p>", table, _table(summary)]
     if serving.get("live_check"):
-        live = [(f"concurrency {r['concurrency']}, K = {r['k']}",
-                 f"predicted {r['predicted_speedup']:.3f} ×, measured {r['measured_speedup']:.3f} × while decoding "
-                 f"({r['relative_error']:+.1%}), {r['measured_end_to_end_speedup']:.3f} × end to end; "
-                 f"τ {r['tau_in_process']:.3f} in-process, {r['tau_vllm']:.3f} vLLM")
-                for r in serving["live_check"]]
+        live = [(f"concurrency {r['concurrency']}, K = {r['k'] if r['k'] is not None else '(no drafts)'}",
+                 _live_text(r)) for r in serving["live_check"]]
         parts += ["<h3>Checked live on vLLM</h3>", _table(live)]
     if serving.get("methods"):
         methods = serving["methods"]
         head = "".join(f"<th>{c['concurrency']}</th>" for c in methods["choice"])
         rows = "".join(f"<tr><th>{html.escape(m['method'])}</th>"
-                       + "".join(f"<td>K = {b['k']}: {b['speedup']:.2f} ×</td>" for b in m["best"]) + "</tr>"
+                       + "".join(f"<td>K = {b['k']}: {b['speedup']:.2f} ×</td>" if b["k"] is not None
+                                 else "<td>not measured</td>" for b in m["best"]) + "</tr>"
                        for m in methods["methods"])
-        pick = "".join(f"<td>{html.escape(c['method'])}</td>" for c in methods["choice"])
+        pick = "".join(f"<td>{html.escape(c['method'] or 'none measured')}</td>" for c in methods["choice"])
         parts += ["<h3>Methods compared (predicted, best K per concurrency)</h3>",
-                  f"<table><tr><th>concurrency</th>{head}</tr>{rows}<tr><th>fastest</th>{pick}</tr></table>"]
+                  f"<table><tr><th>concurrent requests</th>{head}</tr>{rows}<tr><th>fastest</th>{pick}</tr></table>"]
     return parts
+
+
+def _best_text(best: dict[str, Any]) -> str:
+    return f"K = {best['k']}: {_speedup(best)}" if best["k"] is not None else "none measured"
+
+
+def _live_text(r: dict[str, Any]) -> str:
+    predicted = (f"predicted {r['predicted_speedup']:.3f} ×, " if r["predicted_speedup"] is not None
+                 else "no prediction (no τ measured in-process at this K), ")
+    error = f" ({r['relative_error']:+.1%})" if r["relative_error"] is not None else ""
+    return (f"{predicted}measured {r['measured_speedup']:.3f} × while decoding{error}, "
+            f"{r['measured_end_to_end_speedup']:.3f} × end to end; τ {_fmt(r['tau_in_process'])} in-process, "
+            f"{_fmt(r['tau_vllm'])} on vLLM")
+
+
+def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:
+    """The report's opening (services.evaluator.model.Answer): serve it or not (null: cannot tell), how (the exact
+    --speculative-config), what it gains, and what to do next, from the serving prediction over `prompts` prompts
+    and its live check."""
+    first = serving["best"][0]
+    gains = "; ".join(f"{_speedup(b)} at {plural(b['concurrency'], 'concurrent request')} (K = {b['k']})"
+                      for b in serving["best"] if b["k"] is not None) or "not known: no drafts were measured"
+    live = serving.get("live_check") or []
+    if first["k"] is None:
+        step = f"score more prompts or longer answers: {plural(prompts, 'prompt')} gave no draft to check"
+    elif first["pays"] is None:
+        step = ("measure the step times on the serving engine: give an --endpoint (a vLLM server of the target) or "
+                "set EYAS_VLLM_COMMAND; in-process times are too noisy to decide")
+    elif not first["pays"]:
+        step = ("train on more data or for longer (eyas run --minutes 30): τ rises about 0.04–0.07 for each "
+                "doubling of the prompts")
+    elif live:
+        step = "serve it: measured live " + ", ".join(
+            f"{r['measured_speedup']:.2f} × at concurrency {r['concurrency']}" for r in live)
+    else:
+        step = "check it live before relying on it: give --endpoint and --spec-endpoint, or set EYAS_VLLM_COMMAND"
+    return {"decision": serving["decision"], "serve": first["pays"], "speculative_config":
+            serving["speculative_config"], "gains": gains, "breaks_even": break_even_text(serving), "next": step}
+
+
+def _answer_html(ans: dict[str, Any]) -> list[str]:
+    verdict = {True: "Serve it", False: "Do not serve it", None: "Cannot tell yet"}[ans["serve"]]
+    flag = "Serve it with" if ans["serve"] else "To try it, serve the target with"
+    sentence = ans["decision"][:1].upper() + ans["decision"][1:]
+    return [f"<h2>{verdict}</h2>", f"<p class='answer'>{html.escape(sentence)}.</p>",
+            f"<p>{flag}</p><pre>--speculative-config '{html.escape(ans['speculative_config'])}'</pre>",
+            _table([("predicted speed-up", ans["gains"]), ("speculation loses", ans["breaks_even"]),
+                    ("next", ans["next"])])]
 
 
 def _second_set_text(second: dict[str, Any] | None) -> str:
@@ -203,33 +295,50 @@ def _second_set_text(second: dict[str, Any] | None) -> str:
         return "not run"
     if "skipped" in second:
         return f"{second['source']}: skipped ({second['skipped']})"
-    return (f"{_fmt(second['acceptance_length'])} on {second['count']} prompts of {second['source']} "
+    return (f"{_fmt(second['acceptance_length'])} on {plural(second['count'], 'prompt')} of {second['source']} "
             f"(per position {_fmt(second['per_position_acceptance'])})")
+
+
+def _decoded_text(ip: dict[str, Any]) -> str:
+    """Real speculative decoding in-process, as a sentence."""
+    n, mismatches = ip.get("prompts") or 0, ip.get("greedy_mismatches") or []
+    equal = (f"speculative output equals plain greedy output on {'all ' if n > 1 else ''}{plural(n, 'prompt')}"
+             if ip.get("matches_greedy")
+             else f"speculative output differs from plain greedy output on {len(mismatches)} of "
+                  f"{plural(n, 'prompt')} ({', '.join(mismatches)})")
+    counts = ("its drafts and acceptances count exactly as the replay's" if ip.get("replay_matches")
+              else "its drafts and acceptances differ from the replay's")
+    return f"{equal}; {counts}"
 
 
 def render_html(report: dict[str, Any], images: list[str]) -> str:
     ip = report.get("in_process", {})
     scored = report.get("acceptance", {})
     layout = report["layout"]
+    drafts = scored.get("drafts")
     summary = [
         ("target", report["target"]),
         ("drafter", report.get("drafter", "")),
         ("aux layers (trained, physical out(i))", layout["aux_layers"]),
         ("K (draft tokens per step)", report["k"]),
-        ("acceptance length τ (replayed over the target's greedy output, incl. bonus)", report["acceptance_length"]),
-        ("per-position acceptance", report["per_position_acceptance"]),
-        ("teacher-forced accuracy per TTT step", report["per_position_accuracy"]),
+        ("acceptance length τ (replayed over the target's greedy output, incl. bonus)",
+         report["acceptance_length"] if report["acceptance_length"] is not None
+         else "not measured: no drafts at this K"),
+        ("per-position acceptance", report["per_position_acceptance"] if drafts != 0 else "not measured"),
+        ("teacher-forced accuracy per TTT step", report["per_position_accuracy"] or "not measured (no features)"),
         ("τ expected from accuracy", report.get("expected_acceptance_length")),
-        ("per position: measured / expected from accuracy", (report.get("acceptance_gap") or {}).get("ratio")),
+        ("per position: measured / expected from accuracy",
+         (report.get("acceptance_gap") or {}).get("ratio") if drafts != 0 else "not measured"),
         ("τ on the second held-out set", _second_set_text(report.get("second_set"))),
-        ("τ per category", ", ".join(f"{cat} {_fmt(tau)}" for cat, tau in (scored.get("per_category") or {}).items())
+        ("τ per category", ", ".join(f"{cat} {_fmt(tau) if tau is not None else 'not measured'}"
+                                     for cat, tau in (scored.get("per_category") or {}).items())
          or "the prompts have no categories"),
-        ("prompts", f"{scored.get('prompts')} × ≤{scored.get('max_new_tokens')} tokens "
-                    f"({(report.get('prompts') or {}).get('source', '')})"),
-        ("drafts / accepted", f"{scored.get('drafts')} / {sum(scored.get('accepted_per_pos') or [])}"),
-        ("decoded speculatively in-process", f"{ip.get('prompts')} prompts: output equals plain greedy "
-         f"{ip.get('matches_greedy')} (mismatches: {ip.get('greedy_mismatches')}), counts equal the replay's "
-         f"{ip.get('replay_matches')}"),
+        ("prompts", f"{plural(scored.get('prompts') or 0, 'prompt')} of "
+                    f"{(report.get('prompts') or {}).get('source', 'the prompt file')}, answered in up to "
+                    f"{plural(scored.get('max_new_tokens') or 0, 'token')}"),
+        ("drafts checked", f"{plural(drafts, 'draft')}, {plural(sum(scored.get('accepted_per_pos') or []), 'token')} "
+                           "accepted" if drafts is not None else None),
+        ("decoded speculatively in-process", _decoded_text(ip)),
         ("exports", ", ".join(f"{k}: {v}" for k, v in report["exports"].items())),
         ("serve with chat_template_kwargs",
          json.dumps((report.get("serve_with") or {}).get("chat_template_kwargs"))),
@@ -240,15 +349,20 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>Eyas evaluation report</title>",
         "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse;"
-        "margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}th{background:#f4f4f4}</style>",
+        "margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}th{background:#f4f4f4}"
+        "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all}"
+        ".answer{font-size:1.15em}</style>",
         "</head><body><h1>Eyas evaluation report</h1>",
-        "<h2>Summary</h2>", _table(summary),
-        "<h2>Wiring check (what each engine concatenates)</h2>", _table(wiring_rows),
     ]
+    if report.get("answer"):
+        parts += _answer_html(report["answer"])
+    parts += ["<h2>Evidence</h2>", _table(summary),
+              "<h2>Wiring check (what each engine concatenates)</h2>", _table(wiring_rows)]
     live = report.get("live")
     if live:
-        rows: list[tuple[str, Any]] = [("prompts × max tokens", f"{live['prompts']} × {live['max_tokens']}"),
-                                       ("concurrency", live["concurrency"])]
+        rows: list[tuple[str, Any]] = [("prompts", f"{plural(live['prompts'], 'prompt')}, up to "
+                                                   f"{plural(live['max_tokens'], 'token')} each"),
+                                       ("concurrent requests", live["concurrency"])]
         for name in ("baseline", "speculative"):
             if name in live:
                 rows.append((f"{name} tok/s", live[name]["tok_s"]))
@@ -256,9 +370,14 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         if spec:
             rows += [("vLLM τ (/metrics)", spec.get("acceptance_length")),
                      ("vLLM per-position acceptance", spec.get("per_position_acceptance")),
-                     ("vLLM drafts / accepted", f"{spec.get('drafts')} / {spec.get('accepted')}")]
+                     ("vLLM drafts", f"{plural(spec.get('drafts') or 0, 'draft')}, "
+                                     f"{plural(spec.get('accepted') or 0, 'token')} accepted")]
         if "speedup" in live:
-            rows += [("speed-up", live["speedup"]), ("outputs equal", live["outputs_equal"])]
+            n = plural(live["prompts"], "prompt")
+            rows += [("speed-up", live["speedup"]),
+                     ("outputs", f"speculative output equals the baseline's on {'all ' if live['prompts'] > 1 else ''}"
+                                 f"{n}" if live["outputs_equal"]
+                      else f"speculative output differs from the baseline's on at least one of {n}")]
         parts += ["<h2>Live A/B on vLLM</h2>", _table(rows)]
     if report.get("serving"):
         parts += _serving_html(report["serving"])

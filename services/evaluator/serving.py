@@ -3,9 +3,11 @@
   1. acceptance  τ(K) for K = 1..K_MAX from one teacher-forced pass per prompt (services.evaluator.chains; the
                  evaluator computes it once for its headline τ and passes it here)
   2. step times  the target's on the serving engine (a vLLM endpoint) or in-process, the drafter's in-process
-                 (services.evaluator.steptime)
+                 (services.evaluator.steptime); in-process, each point the fastest of a few readings, ± its noise
+                 (the gap to the next fastest), which the prediction carries as the speed-up's interval
   3. prediction  tokens/s with and without speculation per (concurrency, K), best K, break-even, the decision
-                 line (services.evaluator.costmodel)
+                 line (services.evaluator.costmodel): from the K whose τ was measured (none: it says so), "cannot
+                 tell" where the interval straddles 1
   3b. methods    with earlier reports of other drafters for the same target (compare_with: e.g. EAGLE-3 beside
                  P-EAGLE), each one's best K and predicted speed-up per concurrency from its own τ(K) and draft cost
                  under this engine's target step times, and which method wins at each concurrency
@@ -16,6 +18,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from services.evaluator import costmodel, steptime
@@ -28,30 +31,70 @@ LIVE_CONCURRENCIES = (1, 4)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def fastest(readings: list[tuple[int, list[float]]]) -> list[tuple[int, float]]:
+    """Each point's fastest reading: the least disturbed by other work on the machine."""
+    return [(x, min(r)) for x, r in readings]
+
+
+def noise(readings: list[tuple[int, list[float]]]) -> list[tuple[int, float]]:
+    """Each point's noise, relative: how far its second fastest reading lies above the fastest (a quiet machine
+    repeats its fastest; one busy through every reading cannot, and says so here)."""
+    out = []
+    for x, r in readings:
+        ordered = sorted(r)
+        first, second = ordered[0], ordered[min(1, len(ordered) - 1)]
+        out.append((x, (second - first) / first if first > 0 else 0.0))
+    return out
+
+
+def noise_bounds(times: costmodel.StepTimes, target_noise: list[tuple[int, float]] | None,
+                 drafter_noise: list[tuple[int, float]]) -> tuple[costmodel.StepTimes, costmodel.StepTimes]:
+    """The step times at their fastest and at their slowest: each point ± its own noise (the target's exact when
+    its times come from an endpoint: target_noise None)."""
+    def scaled(points, rel, sign):
+        rel = dict(rel or [])
+        return [(x, max(0.0, t * (1 + sign * rel.get(x, 0.0)))) for x, t in points]
+    return tuple(dataclasses.replace(times, target=scaled(times.target, target_noise, sign),
+                                     drafter=scaled(times.drafter, drafter_noise, sign)) for sign in (-1, 1))
+
+
 def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str | None,
-                  api_key: str | None, check: Callable[[], None]) -> tuple[costmodel.StepTimes, dict]:
-    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process; `method`,
-    the drafter's (a parallel drafter drafts K tokens in one forward); `check()` (a cancel) between the points."""
-    drafter_points = steptime.drafter_step_times(drafter, check=check)
+                  api_key: str | None, check: Callable[[], None]
+                  ) -> tuple[costmodel.StepTimes, tuple[costmodel.StepTimes, costmodel.StepTimes], dict]:
+    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process, the bounds
+    their noise allows, and what the report says of them; `method`, the drafter's (a parallel drafter drafts K
+    tokens in one forward); `check()` (a cancel) between the points."""
+    drafter_readings = steptime.drafter_step_times(drafter, check=check)
     check()
+    in_process = f"in-process on this machine, fastest of {steptime.READINGS} readings"
     if endpoint:
         target_points = steptime.endpoint_step_times(endpoint, prompt, api_key=api_key)
-        source = {"target": f"vLLM endpoint {endpoint}: decode step at batch b (streamed, ignore_eos)"}
+        target_noise = None
+        source = {"target": f"vLLM endpoint {endpoint}: decode step at batch b (streamed, ignore_eos), the median "
+                            "over the batch's streams"}
     else:
-        target_points = steptime.target_step_times(target, TOKENS, check=check)
-        source = {"target": f"in-process forward over n tokens after {steptime.CONTEXT} cached ({target.name})"}
-    source["drafter"] = "in-process draft step at batch b on this machine (not inside the engine)"
-    times = costmodel.StepTimes(target=target_points, drafter=drafter_points,
+        readings = steptime.target_step_times(target, TOKENS, check=check)
+        target_points, target_noise = fastest(readings), noise(readings)
+        source = {"target": f"in-process transformers forward over n tokens after {steptime.CONTEXT} cached "
+                            f"({target.name}), {in_process}, not the serving engine"}
+    source["drafter"] = f"draft step at batch b, {in_process} (not inside the engine)"
+    drafter_noise = noise(drafter_readings)
+    times = costmodel.StepTimes(target=target_points, drafter=fastest(drafter_readings),
                                 parallel=costmodel.drafts_in_one_forward(method))
-    return times, {"source": source, "target_s": target_points, "drafter_s": drafter_points}
+    return times, noise_bounds(times, target_noise, drafter_noise), {
+        "source": source, "target_s": target_points, "drafter_s": times.drafter,
+        "step_noise": {"target": target_noise, "drafter": drafter_noise}}
 
 
-def predict(times: costmodel.StepTimes, per_k: dict[int, dict], model: str, method: str) -> dict:
-    """The recommendation, the exact --speculative-config for its K (model: where the server reads the export),
-    and the decision line."""
-    rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()})
-    k = rec["best"][0]["k"]
-    rec["speculative_config"] = costmodel.speculative_config(model, k, method)
+def predict(times: costmodel.StepTimes, bounds: tuple[costmodel.StepTimes, costmodel.StepTimes],
+            per_k: dict[int, dict], prompts: int, model: str, method: str, evaluated_k: int) -> dict:
+    """The recommendation (from the K whose τ was measured, within the step times' noise), the exact
+    --speculative-config for its K (the evaluated one when no K was measured; model: where the server reads the
+    export), and the decision line with the counts it rests on."""
+    rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()}, bounds=bounds,
+                              evidence={"prompts": prompts,
+                                        "drafts_per_k": {str(k): a["drafts"] for k, a in per_k.items()}})
+    rec["speculative_config"] = costmodel.speculative_config(model, rec["best"][0]["k"] or evaluated_k, method)
     rec["decision"] = costmodel.decision(rec)
     rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
     return rec
@@ -60,7 +103,7 @@ def predict(times: costmodel.StepTimes, per_k: dict[int, dict], model: str, meth
 def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]) -> dict:
     """drafters: [{"method", "drafter" (URI), "tau_per_k" (K → τ), "drafter_s" (its step times)}] →
     per drafter its best K and speed-up at each concurrency (this engine's target step times, its own draft cost),
-    and per concurrency the drafter predicted fastest."""
+    and per concurrency the drafter predicted fastest (None where no drafter's τ was measured)."""
     rows = []
     for d in drafters:
         times = costmodel.StepTimes(target=target_points, drafter=d["drafter_s"],
@@ -69,10 +112,11 @@ def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]
         rows.append({"method": d["method"], "drafter": d["drafter"], "best": rec["best"]})
     choice = []
     for i, c in enumerate(costmodel.CONCURRENCIES):
-        top = max(rows, key=lambda r: r["best"][i]["speedup"])
-        best = top["best"][i]
-        choice.append({"concurrency": c, "method": top["method"], "drafter": top["drafter"], "k": best["k"],
-                       "speedup": best["speedup"]})
+        measured = [r for r in rows if r["best"][i]["speedup"] is not None]  # a method without τ is not chosen
+        top = max(measured, key=lambda r: r["best"][i]["speedup"]) if measured else None
+        best = top["best"][i] if top else {"k": None, "speedup": None}
+        choice.append({"concurrency": c, "method": top and top["method"], "drafter": top and top["drafter"],
+                       "k": best["k"], "speedup": best["speedup"]})
     return {"methods": rows, "choice": choice}
 
 
@@ -87,16 +131,19 @@ def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_en
         check()
         ab = live_ab(prompts, max_tokens, endpoint, spec_endpoint, c, api_key=api_key)
         spec = ab["speculative"]
-        k = round(spec["draft_tokens"] / spec["drafts"])
-        predicted = times.spec_tok_s(c, k, per_k[k]["acceptance_length"]) / times.plain_tok_s(c)
+        # the K the server runs, from its counters (None: it drafted nothing), and τ in-process at it
+        k = round(spec["draft_tokens"] / spec["drafts"]) if spec["drafts"] else None
+        tau = per_k[k]["acceptance_length"] if k in per_k else None
+        predicted = times.spec_tok_s(c, k, tau) / times.plain_tok_s(c) if tau is not None else None
         check()
         plain_rate, spec_rate = (steptime.endpoint_decode_rate(url, ids, c, max_tokens, api_key)
                                  for url in (endpoint, spec_endpoint))
         measured = spec_rate / plain_rate
         out.append({"concurrency": c, "k": k, "predicted_speedup": predicted, "measured_speedup": measured,
-                    "relative_error": (predicted - measured) / measured, "decode_tok_s": [plain_rate, spec_rate],
+                    "relative_error": (predicted - measured) / measured if predicted is not None else None,
+                    "decode_tok_s": [plain_rate, spec_rate],
                     "measured_end_to_end_speedup": ab["speedup"],
                     "baseline_tok_s": ab["baseline"]["tok_s"], "speculative_tok_s": spec["tok_s"],
-                    "tau_in_process": per_k[k]["acceptance_length"], "tau_vllm": spec["acceptance_length"],
+                    "tau_in_process": tau, "tau_vllm": spec["acceptance_length"],
                     "outputs_equal": ab["outputs_equal"]})
     return out

@@ -8,7 +8,8 @@ b, i.e. one target forward over b tokens with a KV cache, as the server runs it 
 whole measurement well under a minute on vLLM-CPU; the cost model interpolates between them.
 
 In-process (the default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of
-CONTEXT tokens, and the drafter's step at batch b. The drafter always runs in-process: that is its cost on this
+CONTEXT tokens, and the drafter's step at batch b, READINGS timed calls of each: the point is the fastest (the least
+disturbed), the gap to the next fastest its noise. The drafter always runs in-process: that is its cost on this
 machine, not inside the engine (the report says so). On a CPU both run on one thread, as vLLM-CPU runs its model
 on one core: on a shared CPU, several threads mostly measure contention (2 threads read 20–110 ms for a draft step
 that takes 4–7 ms on one).
@@ -33,7 +34,10 @@ from services.evaluator.live import _headers, served_model
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
 STEPS = 16  # tokens each request decodes per measured point
-STEP_TIMES_S = 25.0  # what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it)
+READINGS = 5  # timed calls per in-process point: one reading of a step on a shared CPU is mostly noise
+# what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it): 25 s at 2
+# readings a point, scaled by the calls READINGS makes (51 target and 42 drafter calls where there were 21 and 21)
+STEP_TIMES_S = 55.0
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> list[tuple[float, int]]:
@@ -96,17 +100,18 @@ def endpoint_decode_rate(url: str, prompts: list[list[int]], concurrency: int, m
     return sum(n / s for s, n in spans)
 
 
-def _best_of(fn, *args, repeats: int = 2, warm_up: bool = True) -> float:
-    """Shortest of a few timed calls (after a warm-up call unless the caller warmed this path up already): the
-    least disturbed by other work on the machine."""
+def readings(fn, *args, repeats: int = READINGS, warm_up: bool = True) -> list[float]:
+    """Seconds of `repeats` timed calls, fastest first (after a warm-up call unless the caller warmed this path up
+    already). The fastest is the least disturbed by other work on the machine; how far the next ones lie above it
+    is the noise (services.evaluator.serving)."""
     if warm_up:
         fn(*args)
-    best = float("inf")
+    out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        out.append(time.perf_counter() - t0)
+    return sorted(out)
 
 
 @contextlib.contextmanager
@@ -133,7 +138,7 @@ def _draft_step(drafter: Drafter, tok: torch.Tensor, hidden: torch.Tensor, pos: 
 
 
 def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...],
-                      check: Callable[[], None]) -> list[tuple[int, float]]:
+                      check: Callable[[], None]) -> list[tuple[int, list[float]]]:
     """One DFlash round at batch b: a block's worth of new context states (the engine caches the older ones) and
     the block of [bonus token, masks], to the draft token ids."""
     cfg = drafter.cfg
@@ -146,7 +151,7 @@ def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...],
             aux = torch.randn(b, cfg.block_size, cfg.num_aux * cfg.target_hidden_size, device=on, dtype=dtype)
             anchors = torch.full((b, 1), cfg.block_size, device=on)
             tokens = torch.randint(cfg.vocab_size, (b, 1), device=on)
-            out.append((b * drafts, _best_of(_block_step, drafter, aux, anchors, tokens)))
+            out.append((b * drafts, readings(_block_step, drafter, aux, anchors, tokens)))
     return out
 
 
@@ -156,10 +161,10 @@ def _block_step(drafter: DFlashDrafter, aux, anchors, tokens) -> None:
 
 @torch.inference_mode()
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
-                      context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, float]]:
-    """(n, seconds of one target forward over n new tokens) in-process: b = min(n, max_batch) sequences of
-    n / b tokens each after `context` cached tokens, logits for every new token (as a verify step needs);
-    `check()` (a cancel) before each point."""
+                      context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
+    """(n, READINGS readings, fastest first, of one target forward over n new tokens) in-process: b = min(n,
+    max_batch) sequences of n / b tokens each after `context` cached tokens, logits for every new token (as a verify
+    step needs); `check()` (a cancel) before each point."""
     from transformers import DynamicCache
 
     model, on = target.model, target.input_device
@@ -176,17 +181,17 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
             cache.batch_repeat_interleave(b)  # the same context in every sequence: [b, kv heads, context, hd]
             new = torch.randint(vocab, (b, n // b), device=on)
             # one warm-up call for the first point: the later ones run the same kernels at other shapes
-            out.append((n, _best_of(_target_step, model, new, cache, warm_up=not out)))
+            out.append((n, readings(_target_step, model, new, cache, warm_up=not out)))
     return out
 
 
 @torch.inference_mode()
 def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...] = BATCHES,
-                       context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, float]]:
-    """(b, seconds of one draft step at batch b): a token per sequence, attending to `context` step-0 keys, to the
-    draft token id (specdec._draft's loop body, batched). DFlash drafts a block per forward: its points are
-    (b · (block − 1) tokens drafted, seconds of one block forward at batch b). `check()` (a cancel) before each
-    point."""
+                       context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
+    """(b, READINGS readings, fastest first, of one draft step at batch b): a token per sequence, attending to
+    `context` step-0 keys, to the draft token id (specdec._draft's loop body, batched). DFlash drafts a block per
+    forward: its points are (b · (block − 1) tokens drafted, readings of one block forward at batch b). `check()` (a
+    cancel) before each point."""
     if isinstance(drafter, DFlashDrafter):
         return _block_step_times(drafter, batches, check)
     on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
@@ -200,5 +205,5 @@ def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...
             state = torch.randn(b, context, h, device=on, dtype=drafter.fc.weight.dtype)
             hidden = drafter.step(ids, state, pos, cache)
             # one chain step after step 0: [b, 1] token, [b, 1, H] state, [b, 1] position
-            out.append((b, _best_of(_draft_step, drafter, ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1, cache)))
+            out.append((b, readings(_draft_step, drafter, ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1, cache)))
     return out
