@@ -103,7 +103,7 @@ def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):
     script.write_text("import sys\nprint('(EngineCore) ValueError: no GPU here')\nprint('noise\\n' * 1000)\n"
                       "print('RuntimeError: Engine core initialization failed. See root cause above.')\nsys.exit(3)\n")
     with pytest.raises(RuntimeError, match="exited 3") as err:
-        with vllm(f"{sys.executable} {script}", tmp_path):
+        with vllm(f"{sys.executable} {script}", tmp_path, check=lambda: None):
             pass
     assert "root cause: (EngineCore) ValueError: no GPU here" in str(err.value)
     assert "See root cause above" in str(err.value)  # and the tail
