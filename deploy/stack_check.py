@@ -196,7 +196,17 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         users = {svc: compose("exec", "-T", svc, "id", "-un", capture=True).strip()
                  for svc in ("generator-api", "trainer-worker", "vllm")}
         assert "root" not in users.values(), users
-        return f"401 without the key; users {users}"
+        # no secret in any image's layers, no compiler and no pip cache in them
+        secretish = ("KEY=", "SECRET", "PASSWORD", "TOKEN=")
+        for image in ("eyas:cpu", "eyas-vllm:cpu"):
+            history = subprocess.run(["docker", "history", "--no-trunc", "--format", "{{.CreatedBy}}", image],
+                                     capture_output=True, text=True, check=True).stdout
+            assert not any(word in history.upper() for word in secretish), (image, history)
+            found = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c",
+                                    "command -v gcc cc g++; ls -d ~/.cache/pip /root/.cache/pip 2>/dev/null; true"],
+                                   capture_output=True, text=True, check=True).stdout.split()
+            assert not found, (image, found)
+        return f"401 without the key; users {users}; no secret in the images' history, no compiler or pip cache"
 
     s3.put_object("eyas", "inputs/prompts.jsonl", *_prompts(24))
     s3.put_object("eyas", "inputs/many.jsonl", *_prompts(240))
