@@ -33,7 +33,8 @@ RESULTS: list[tuple[str, float, str]] = []
 ONLY: list[str] = []  # --only: the checks to run (all when empty)
 
 
-def compose(*args: str, check: bool = True, capture: bool = False, extra_files: tuple[str, ...] = ()) -> str:
+def compose(*args: str, check: bool = True, capture: bool = True, extra_files: tuple[str, ...] = ()) -> str:
+    """`docker compose` on the stack; its output is returned (and shown when it fails), not printed."""
     files = ["-f", "docker-compose.yml", "-f", "deploy/compose.cpu.yml"]
     for f in extra_files:
         files += ["-f", f]

@@ -37,7 +37,8 @@ t_build=$(date +%s)
 if [ ! -f models/smollm2-135m-instruct/config.json ]; then
     say "converting the bundled target into ./models (what the vllm service serves and jobs name)"
     mkdir -p models
-    docker run --rm --network none --user 0 -e EYAS_CACHE_DIR=/models -v "$PWD/models:/models" --entrypoint python \
+    docker run --rm --network none --user 0 -e EYAS_CACHE_DIR=/models -e TQDM_DISABLE=1 -v "$PWD/models:/models" \
+        --entrypoint python \
         eyas:cpu -c "from eyas.target import bundled_target_dir; bundled_target_dir()" 2>&1 | grep -v 'Writing model' || true
     chmod -R a+rX models  # the services read it as their own users (save_pretrained leaves the weights 0600)
 fi

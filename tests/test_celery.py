@@ -100,6 +100,10 @@ def test_job_posted_over_http_runs_on_a_separate_worker(service_settings, vllm_u
     job = wait_for_job(getter(job_id), lambda j: j["state"] not in ("queued", "running"))
     assert job["state"] == "succeeded", (job, worker.tail())
     assert job["attempts"] == 1 and job["metrics"]["completed"] == 4 and job["metrics"]["failed"] == 0
+    # the worker's sweep reached Redis lately: what its container's healthcheck reads (docker-compose.yml)
+    from orchestration.tasks import heartbeat_file
+
+    assert time.time() - heartbeat_file("generate").stat().st_mtime < 30
     assert job["progress"] == {"done": 4, "total": 4, "unit": "prompts"}
     output = job["artifacts"]["output"]
     assert output == f"s3://{store.bucket}/datasets/{job_id}"
