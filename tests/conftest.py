@@ -60,7 +60,7 @@ _buckets = itertools.count()
 
 
 @pytest.fixture
-def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> ServiceEnv:
+def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Iterator[ServiceEnv]:
     """Jobs may read the test's own tmp_path and send requests to loopback servers (vLLM, proxies, fakes) on any
     port; tests of confinement narrow these (tests/test_hostile.py)."""
     redis.Redis.from_url(redis_url).flushdb()
@@ -76,10 +76,17 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Servic
         "extract_engine": "transformers",
     }
     settings = Settings(**values)
-    S3Store(settings).ensure_bucket()
+    store = S3Store(settings)
+    store.ensure_bucket()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EYAS_")}
     env.update({f"EYAS_{k.upper()}": v for k, v in values.items()})
-    return ServiceEnv(settings=settings, env=env, workdir=tmp_path)
+    yield ServiceEnv(settings=settings, env=env, workdir=tmp_path)
+    # the bucket goes with the test (a bucket holds a SeaweedFS volume); best effort: a test may have stopped S3
+    try:
+        store.delete_prefix("")
+        store.client.remove_bucket(settings.s3_bucket)
+    except Exception:  # noqa: BLE001 — cleanup must not turn a passing test red
+        pass
 
 
 @dataclass
