@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.evaluator import alternatives
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay
 from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend, speculative_config
@@ -266,3 +267,70 @@ def test_the_report_opens_with_the_answer_and_reads_as_sentences():
     flat = StepTimes(target=[(1, 0.010), (1024, 0.010)], drafter=[(1, 0.0)])
     assert "never, at any concurrency predicted (up to 64)" in reports.render_html(
         _measured_report(recommend(flat, GOOD)), [])
+
+
+# Recorded on vLLM-CPU (#44): 16 MT-bench first turns × 96 tokens at concurrency 1, plain 20.5 tok/s, the drafter
+# 22.5 (τ 1.27), n-gram prompt lookup 26.7; suffix decoding not installed.
+LIVE_C1 = {"concurrency": 1, "k": 3, "predicted_speedup": 0.84, "measured_speedup": 1.12, "relative_error": -0.25,
+           "decode_tok_s": [21.0, 23.5], "measured_end_to_end_speedup": 22.5 / 20.5, "baseline_tok_s": 20.5,
+           "speculative_tok_s": 22.5, "tau_in_process": 1.27, "tau_vllm": 1.27, "accepted_per_output_token": 0.192,
+           "outputs_equal": True}
+NGRAM_C1 = {"method": "ngram", "served": True, "concurrency": 1, "config": alternatives.FREE_METHODS["ngram"],
+            "tok_s": 26.7, "speedup": 26.7 / 20.5, "tau": 1.35, "accepted_per_output_token": 0.258, "why": None}
+SUFFIX_MISSING = {"method": "suffix", "served": False, "concurrency": None, "config": alternatives.FREE_METHODS["suffix"],
+                  "tok_s": None, "speedup": None, "tau": None, "accepted_per_output_token": None,
+                  "why": "vLLM not serving (exited 1); root cause: ImportError: Arctic Inference is required"}
+
+
+def test_a_free_method_that_beats_the_drafter_is_the_answer_with_the_tau_the_drafter_needs():
+    """The recorded case the in-process prediction got wrong: the measured choice names n-gram prompt lookup, the
+    τ the drafter needs to pass it (speed-up linear in τ: 1.27 · 1.30 / 1.10) and the prompts that costs."""
+    choice = alternatives.choose([LIVE_C1], [NGRAM_C1, SUFFIX_MISSING])
+    assert [c["fastest"] for c in choice] == ["ngram"]
+    assert choice[0]["speedups"] == pytest.approx({"plain": 1.0, "drafter": 1.0976, "ngram": 1.3024}, rel=1e-3)
+    assert alternatives.tau_to_pass(choice[0]) == pytest.approx(1.27 * 26.7 / 22.5)
+    line = alternatives.served_decision(choice[0])
+    assert line.startswith("serve n-gram prompt lookup, not this drafter yet: 1.30 × plain decoding against the "
+                           "drafter's 1.10 ×")
+    assert "the drafter needs τ ≥ 1.51 (now 1.27)" in line and "about 4–6 doublings of its training prompts" in line
+    # the drafter ahead: it is the answer, the rival quoted; nothing ahead: plain decoding
+    ahead = alternatives.choose([{**LIVE_C1, "measured_end_to_end_speedup": 1.4}], [NGRAM_C1])[0]
+    assert ahead["fastest"] == "drafter" and alternatives.tau_to_pass(ahead) is None
+    assert alternatives.served_decision(ahead) == ("serve this drafter: 1.40 × plain decoding, measured on vLLM at "
+                                                   "concurrency 1 (against n-gram prompt lookup 1.30 ×)")
+    slow = alternatives.choose([{**LIVE_C1, "measured_end_to_end_speedup": 0.9}], [{**NGRAM_C1, "speedup": 0.95}])[0]
+    assert slow["fastest"] == "plain"
+    assert alternatives.served_decision(slow).startswith("serve plain decoding: nothing measured was faster")
+
+
+def test_the_report_answers_with_what_was_measured_fastest_and_lists_every_method():
+    rec = recommend(ENGINE, GOOD)
+    report = _measured_report(rec)
+    serving = report["serving"]
+    served = alternatives.choose([LIVE_C1], [NGRAM_C1, SUFFIX_MISSING])
+    serving.update(live_check=[LIVE_C1], alternatives=[NGRAM_C1, SUFFIX_MISSING], served=served,
+                   predicted_decision=serving["decision"], decision=alternatives.served_decision(served[0]))
+    report["answer"] = reports.answer(serving, 16)
+    assert report["answer"]["serve"] is False  # the prediction said serve it; the measurement says n-gram
+    assert "serve n-gram prompt lookup now (--speculative-config '{\"method\": \"ngram\"" in report["answer"]["next"]
+    page = reports.render_html(report, [])
+    assert page.index("<h2>Do not serve it</h2>") < page.index("Serve n-gram prompt lookup, not this drafter yet")
+    table = page[page.index("What to serve"):]
+    for row in ("plain decoding</td><td>20.5</td><td>1.00 ×", "this drafter (K = 3)</td><td>22.5</td><td>1.10 ×",
+                "n-gram prompt lookup</td><td>26.7</td><td>1.30 ×</td><td>1.3500</td><td>0.2580"):
+        assert row in table
+    assert "suffix decoding</th><td>not served by this engine: vLLM not serving (exited 1)" in table
+    assert "predicted (before measuring)" in table
+
+
+def test_a_free_method_whose_server_does_not_start_is_a_row_not_an_error(tmp_path: Path):
+    script = tmp_path / "server.py"
+    script.write_text("import sys\nprint('ImportError: Arctic Inference is required for suffix decoding')\n"
+                      "sys.exit(1)\n")
+    rows = alternatives.measure_free([], 8, {1: 20.0}, lambda config: vllm(f"{sys.executable} {script}", tmp_path,
+                                                                           config, check=lambda: None),
+                                     None, lambda: None, methods={"suffix": alternatives.FREE_METHODS["suffix"]})
+    assert rows == [{"method": "suffix", "served": False, "concurrency": None,
+                     "config": alternatives.FREE_METHODS["suffix"], "tok_s": None, "speedup": None, "tau": None,
+                     "accepted_per_output_token": None, "why": rows[0]["why"]}]
+    assert "root cause: ImportError: Arctic Inference is required" in rows[0]["why"]

@@ -45,7 +45,7 @@ from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
-from services.evaluator import costmodel, launch, serving, steptime
+from services.evaluator import alternatives, costmodel, launch, serving, steptime
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, drafted_ks, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
@@ -404,6 +404,15 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
                                                                           ("spec", spec.spec_endpoint)) if not given]}
             out["live_check"] = serving.live_check(prompts, spec.max_new_tokens, endpoint, spec_endpoint, times,
                                                    per_k, api_key, ctx.check)
+    if command and out.get("live_check"):
+        # after the drafter's servers stopped: one vLLM at a time on the host
+        baseline = {r["concurrency"]: r["baseline_tok_s"] for r in out["live_check"]}
+        out["alternatives"] = alternatives.measure_free(
+            prompts, spec.max_new_tokens, baseline,
+            lambda config: launch.vllm(command, resolve_target(spec.target), config, check=ctx.check),
+            api_key, ctx.check)
+        out["served"] = alternatives.choose(out["live_check"], out["alternatives"])
+        out["predicted_decision"], out["decision"] = out["decision"], alternatives.served_decision(out["served"][0])
     return out
 
 

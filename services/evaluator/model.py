@@ -262,7 +262,31 @@ class LiveCheck(_Model):
     speculative_tok_s: float
     tau_in_process: float | None
     tau_vllm: float | None
+    accepted_per_output_token: float | None = Field(description="the drafter's accepted tokens / output tokens")
     outputs_equal: bool
+
+
+class FreeRun(_Model):
+    """A model-free method the engine serves (services.evaluator.alternatives) at one concurrency, or one row
+    saying why its server did not start."""
+    method: str = Field(description="ngram (prompt lookup) or suffix")
+    served: bool
+    concurrency: int | None = Field(description="null: not served")
+    config: dict[str, Any] = Field(description="its --speculative-config")
+    tok_s: float | None
+    speedup: float | None = Field(description="end-to-end tokens/s over the plain server's in the live check")
+    tau: float | None
+    accepted_per_output_token: float | None
+    why: str | None = Field(description="why it was not served (the engine's root cause); null when served")
+
+
+class ServedChoice(_Model):
+    """The fastest measured at one concurrency: plain decoding, this drafter or a free method."""
+    concurrency: int
+    fastest: str = Field(description="plain, drafter, ngram or suffix")
+    speedup: float
+    speedups: dict[str, float] = Field(description="every candidate's measured end-to-end speed-up")
+    drafter_tau: float | None = Field(description="the drafter's τ on vLLM")
 
 
 class MethodBest(_Model):
@@ -320,6 +344,11 @@ class Serving(_Model):
     methods: Methods | None = _absent("this drafter beside the reports of compare_with; absent without them")
     live_endpoints: LiveEndpoints | None = _absent("the servers the live check ran against; absent without them")
     live_check: list[LiveCheck] | None = _absent("measured vs predicted speed-up; absent without vLLM")
+    alternatives: list[FreeRun] | None = _absent("the engine's model-free methods measured on the same prompts; "
+                                                 "absent unless the evaluator starts vLLM itself")
+    served: list[ServedChoice] | None = _absent("the fastest measured per live concurrency; absent "
+                                                "without alternatives")
+    predicted_decision: str | None = _absent("the prediction's sentence, when `decision` is the measured one")
 
 
 class Answer(_Model):

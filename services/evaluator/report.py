@@ -29,6 +29,7 @@ from typing import Any
 
 import matplotlib
 
+from services.evaluator import alternatives
 from services.evaluator.costmodel import plural
 from services.evaluator.model import Report
 
@@ -229,6 +230,8 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
         live = [(f"concurrency {r['concurrency']}, K = {r['k'] if r['k'] is not None else '(no drafts)'}",
                  _live_text(r)) for r in serving["live_check"]]
         parts += ["<h3>Checked live on vLLM</h3>", _table(live)]
+    if serving.get("served"):
+        parts += _alternatives_html(serving)
     if serving.get("methods"):
         methods = serving["methods"]
         head = "".join(f"<th>{c['concurrency']}</th>" for c in methods["choice"])
@@ -240,6 +243,32 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
         parts += ["<h3>Methods compared (predicted, best K per concurrency)</h3>",
                   f"<table><tr><th>concurrent requests</th>{head}</tr>{rows}<tr><th>fastest</th>{pick}</tr></table>"]
     return parts
+
+
+def _alternatives_html(serving: dict[str, Any]) -> list[str]:
+    """Plain decoding, the drafter and the free methods, measured on the same prompts and engine."""
+    live = {r["concurrency"]: r for r in serving["live_check"]}
+    rows = []
+    for choice in serving["served"]:
+        c, d = choice["concurrency"], live[choice["concurrency"]]
+        rows.append(f"<tr><th>{c}</th><td>plain decoding</td><td>{d['baseline_tok_s']:.1f}</td><td>1.00 ×</td>"
+                    "<td>—</td><td>—</td></tr>")
+        rows.append(f"<tr><th>{c}</th><td>this drafter (K = {_fmt(d['k'])})</td><td>{d['speculative_tok_s']:.1f}</td>"
+                    f"<td>{d['measured_end_to_end_speedup']:.2f} ×</td><td>{_fmt(d['tau_vllm'])}</td>"
+                    f"<td>{_fmt(d.get('accepted_per_output_token'))}</td></tr>")
+        rows += [f"<tr><th>{c}</th><td>{html.escape(alternatives.LABELS.get(r['method'], r['method']))}</td>"
+                 f"<td>{r['tok_s']:.1f}</td><td>{r['speedup']:.2f} ×</td><td>{_fmt(r['tau'])}</td>"
+                 f"<td>{_fmt(r['accepted_per_output_token'])}</td></tr>"
+                 for r in serving["alternatives"] if r["served"] and r["concurrency"] == c]
+    missing = [(alternatives.LABELS.get(r["method"], r["method"]), f"not served by this engine: {r['why']}")
+               for r in serving["alternatives"] if not r["served"]]
+    fastest = [(f"fastest at concurrency {ch['concurrency']}", alternatives.LABELS.get(ch["fastest"], ch["fastest"]))
+               for ch in serving["served"]]
+    return ["<h3>What to serve: the drafter against what needs no training (measured on vLLM)</h3>",
+            "<table><tr><th>concurrent requests</th><th>method</th><th>tok/s</th><th>speed-up</th><th>τ</th>"
+            f"<th>accepted per output token</th></tr>{''.join(rows)}</table>",
+            _table(fastest + missing + ([("predicted (before measuring)", serving["predicted_decision"])]
+                                        if serving.get("predicted_decision") else []))]
 
 
 def _best_text(best: dict[str, Any]) -> str:
@@ -276,8 +305,26 @@ def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:
             f"{r['measured_speedup']:.2f} × at concurrency {r['concurrency']}" for r in live)
     else:
         step = "check it live before relying on it: give --endpoint and --spec-endpoint, or set EYAS_VLLM_COMMAND"
-    return {"decision": serving["decision"], "serve": first["pays"], "speculative_config":
-            serving["speculative_config"], "gains": gains, "breaks_even": break_even_text(serving), "next": step}
+    ans = {"decision": serving["decision"], "serve": first["pays"], "speculative_config":
+           serving["speculative_config"], "gains": gains, "breaks_even": break_even_text(serving), "next": step}
+    return _measured_answer(ans, serving) if serving.get("served") else ans
+
+
+def _measured_answer(ans: dict[str, Any], serving: dict[str, Any]) -> dict[str, Any]:
+    """The answer when the drafter and the free methods were measured on vLLM: what was fastest decides."""
+    choice = serving["served"][0]
+    best, c = choice["fastest"], choice["concurrency"]
+    ans["serve"] = best == "drafter"
+    if best == "drafter":
+        ans["next"] = f"serve it: fastest measured at concurrency {c}"
+    elif best == "plain":
+        ans["next"] = ("serve the target without speculation for now; train the drafter on more data or for longer "
+                       "(eyas run --minutes 30)")
+    else:
+        config = next(r["config"] for r in serving["alternatives"] if r["method"] == best and r["served"])
+        ans["next"] = (f"serve {alternatives.LABELS.get(best, best)} now (--speculative-config '{json.dumps(config)}'), "
+                       "and train the drafter on more data (eyas run --minutes 30) until it passes it")
+    return ans
 
 
 def _answer_html(ans: dict[str, Any]) -> list[str]:

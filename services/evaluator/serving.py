@@ -145,5 +145,6 @@ def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_en
                     "measured_end_to_end_speedup": ab["speedup"],
                     "baseline_tok_s": ab["baseline"]["tok_s"], "speculative_tok_s": spec["tok_s"],
                     "tau_in_process": tau, "tau_vllm": spec["acceptance_length"],
+                    "accepted_per_output_token": spec["accepted"] / spec["tokens"] if spec["tokens"] else None,
                     "outputs_equal": ab["outputs_equal"]})
     return out
