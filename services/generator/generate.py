@@ -39,8 +39,8 @@ def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | Non
 # unit that is large against the deadline (in-process, a batch of answers is a quarter of generation's share in a
 # 10-minute run) would otherwise be dropped whole when the time left is a little short of it. The answers to a
 # synthesized batch are what its synthesis was for: a hog that slowed one batch's synthesis left its answers a
-# little short of fitting, and dropping them halved the run's data and lost τ (bench/README.md § Measured
-# defaults). At a half, the last unit ends at the deadline on average. Synthesis
+# little short of fitting, and dropping them halved the run's data and lost τ
+# (bench/README.md § Measured defaults). At a half, the last unit ends at the deadline on average. Synthesis
 # draws a round only while it and this share of its batch's answers fit (services/generator/gather.py).
 START_WHILE_FITS = 0.5
 

@@ -8,8 +8,8 @@
 
 Default size: 8192 (V/6 for the bundled SmolLM2 target, V = 49152). The lm_head costs Vd·H per token and TTT step,
 so Vd trades speed for coverage: on the bundled target's data every id that occurs fits in 8192, and 4096 covers
-nearly all supervised tokens (the CPU preset: a smaller head; coverage per size: bench/README.md § Trainer CPU
-preset). SpecForge's default of 32000 is sized for 128k-vocabulary targets.
+nearly all supervised tokens (the CPU preset: a smaller head). Coverage per size:
+bench/README.md § Trainer CPU preset. SpecForge's default of 32000 is sized for 128k-vocabulary targets.
 """
 from __future__ import annotations
 
