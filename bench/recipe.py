@@ -15,7 +15,7 @@ A variant is NAME or NAME:FIELD=VALUE[,FIELD=VALUE…] over the trainer's CPU pr
 VALUE is JSON. Two fields are not the trainer's: `policy` (first_epoch | recompute) and `store_mb` make the variant
 extract the features' conversations again, streamed to its train job as `eyas run --features-policy` does
 (orchestration.run_command.hand_off_features), at most `store_mb` of features stored; its row counts the target's
-forward tokens. bench/README.md ("Recipe at fixed data") has a table it printed.
+forward tokens. bench/README.md § Recipes at fixed data has tables it printed.
 """
 from __future__ import annotations
 

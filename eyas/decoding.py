@@ -1,7 +1,6 @@
 """Two changes to a transformers model's decoding that the in-process engine makes, where most of a batched decode
-step's time went to copying the KV cache rather than to the model (SmolLM2-135M, batch 48, ~100 cached tokens, 2
-CPU cores: of ~225 ms a step, ~60 ms grew the cache by concatenation and ~65 ms repeated its grouped key/value heads
-for attention; bench/decode.py):
+step's time went to copying the KV cache rather than to the model: growing the cache by concatenation and repeating
+its grouped key/value heads for attention (the profile: bench/README.md § In-process decoding):
 
 - `GrowingKVLayer`: the cache of a full-attention layer in a preallocated buffer that each step writes one slot of
   (a view of the filled part is what attention reads), instead of concatenating a new cache every step; a prefill

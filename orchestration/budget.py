@@ -6,7 +6,7 @@ MAX_EPOCHS epochs of training. That plan only sets each stage's first share of t
 stage then works to a deadline (its spec's `finish_by`) and stops at its own boundary, and at every stage boundary
 `replan` divides what is left among the stages still to run, from the rates scaled by how fast the stages so far
 actually went (`speed`). What one prompt costs in tokens (the constants below) was measured on the bundled
-target; bench/README.md ("eyas run --minutes") has the plans against the times they took. The planned features,
+target; bench/README.md § Planner costs has the plans against the times they took. The planned features,
 against the store's disk cap, decide how they reach training (`features_policy`): cached whole, or streamed to a
 train job running beside extraction. The stages' own defaults (epochs, validation split, evaluation lengths) are
 read from their specs.
@@ -26,41 +26,41 @@ from services.trainer.spec import CPU_PRESET
 from services.trainer.spec import Spec as TrainSpec
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
-# from `eyas run` job records: bench/README.md ("eyas run --minutes").
+# from `eyas run` job records: bench/README.md § Planner costs.
 SYNTH_DRAWS = 1.24  # candidate requests drawn per kept prompt (the rest lack an end of turn or repeat)
 # Generation's cost in steps of the rate probe (16 tokens for short requests, at the batch and at half of it;
 # `decode_step_s`): a batch runs to its longest row, and prompts' prefill and a growing KV cache make each step
-# dearer than the probe's. Measured on `make run` (224 prompts in 3 batches of 75, task-mix synthesis; bench/README.md,
-# "eyas run --minutes"): 273 candidates in 138 s and 224 answers of ≤ 96 tokens in 125 s, at a probe of 218 tok/s
-# (179 at half the batch).
+# dearer than the probe's. Fitted to a `make run`'s synthesis and answer times against its probe (task-mix
+# synthesis; bench/README.md § Planner costs).
 SYNTH_TOKENS = 100  # per candidate request (sampled up to 128 tokens)
 ANSWER_STEP_COST = 1.2  # per `max_tokens` of an answer
 ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap): what extraction and training see
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
-ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md, "What moves τ")
+ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md § Levers at equal wall time)
 EVAL_NEW_TOKENS = EvalSpec.model_fields["max_new_tokens"].default
 SECOND_SET_PROMPTS = EvalSpec.model_fields["second_num_prompts"].default  # the evaluator's second held-out set
 # The evaluator's greedy outputs run in batches of 32 with transformers' `generate` (services/evaluator/specdec.py:
 # greedy), dearer per token than generation's own decoding, and each prompt then has one teacher-forced forward
-# (the replay). Measured on the `make run` above: evaluation took 106 s.
+# (the replay). Fitted to the same `make run`'s evaluation time (bench/README.md § Planner costs).
 EVAL_GREEDY_COST = 3.5  # seconds per evaluation token, in units of 1 / decode_tok_s
 DECODE_PROMPTS = 1  # prompts the evaluator also decodes speculatively in-process (the replay's check)
 DECODE_STEP_COST = 1.2  # seconds per token of that decoding, in target steps (a verify forward per round + drafts)
 FIXED_S = 45.0  # model loads, synthesis's first batch, artifact writes, teacher-forced accuracy: all stages
-# Prompts are sized so that training has time for this many epochs over them, the most it runs (bench/README.md: 6
-# epochs beat 3). Sized at 3 epochs, a quiet run whose decoding went 1.5x faster than its probe read generated 384
-# prompts in its share and trained 1.7 epochs over them (τ 1.239), while one slowed in generation by a hog trained 6
-# epochs over 192 (1.283): generation's share is set before its speed is known, and a larger training share keeps
-# the epochs near 3 when generation outruns the plan ("A budget on a busy machine").
+# Prompts are sized so that training has time for this many epochs over them, the most it runs (6 epochs beat 3:
+# bench/README.md § Recipes at fixed data). Sized at 3 epochs, a quiet run whose decoding outran its probe
+# generated more prompts than it then had time to train on, and scored below a run slowed in generation by a hog:
+# generation's share is set before its speed is known, and a larger training share keeps the epochs near 3 when
+# generation outruns the plan (bench/README.md § Measured defaults).
 MAX_EPOCHS = 6.0
 TRAIN_SHARE = 1 - 1 / TrainSpec.model_fields["val_every"].default  # of the samples (the rest validate)
 # Validations `eyas run` asks of the trainer, about (the first, at step 0, and the last included): enough points for
-# the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated 21 times over its
-# 202 validation samples, ~190 s of its 1093 s of training that the plan did not have (bench/README.md).
+# the report's curve. At the trainer's default interval (every 100 steps) a 60-minute run validated twice as often,
+# a sixth of its training time that the plan did not have (bench/README.md § Planner costs).
 VAL_PASSES = 10
 # The most of the budget evaluation's first share may take. Its cost is a count of prompts, whatever the data: a
-# probe that read a busy machine (4x slow) would otherwise give it half of a 10-minute budget, and generation, where
-# τ is bought, a third. Quiet, it takes about 0.17; under a deadline the evaluator scores what its share allows.
+# probe that read a busy machine several times slow would otherwise give it half of a 10-minute budget, and
+# generation, where τ is bought, a third. Quiet, it takes less; under a deadline the evaluator scores what its share
+# allows.
 EVAL_SHARE = 0.2
 
 
@@ -91,7 +91,7 @@ class Plan:
 
 def eval_prompts_for(minutes: float) -> int:
     """More prompts for longer runs: τ's spread over prompts shrinks as 1/√n (20 at 10 min, 70 at 60; MT-bench has
-    80). Each costs its greedy output and one forward (the replay): about 2 s on 2 cores."""
+    80). Each costs its greedy output and one forward (the replay)."""
     return max(4, min(80, round(20 + (minutes - 10))))
 
 

@@ -21,9 +21,9 @@ from orchestration.budget import ANSWER_FILL, ANSWER_TOKENS, PROMPT_TOKENS, Rate
 from services.trainer.spec import CPU_PRESET
 
 # Each rate is read this many times, the setting up (model loads, warm-ups) once, and the fastest reading kept:
-# other work on the machine only ever slows a reading (timeit's rule). A hog in the run's first 60 s made one reading
-# of decoding 42 tok/s against 184 quiet while the readings after it were quiet, and a plan from that one reading
-# gave generation 61 % of the budget and training 50 s (bench/README.md, "A budget on a busy machine").
+# other work on the machine only ever slows a reading (timeit's rule). A hog in the run's first minute made one
+# reading of decoding several times slow while the readings after it were quiet, and a plan from that one reading
+# starved training (bench/README.md § Measured defaults).
 READINGS = 2
 
 

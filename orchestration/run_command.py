@@ -37,7 +37,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None, help="OpenAI-compatible endpoint for generation (default: in-process)")
     p.add_argument("--minutes", type=float, default=10.0,
                    help="wall-time budget: prompts and evaluation are sized to fit it here (default: %(default)s)")
-    # defaults measured against alternatives on 2 cores: bench/README.md ("eyas run defaults")
+    # defaults measured against alternatives on 2 cores: bench/README.md § eyas run defaults
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: the budget's plan)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max new tokens per answer (default: 96, shorter only when the budget is under one batch)")
@@ -153,8 +153,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(rates_line(rates))
     print(plan.describe())
     # At most this many prompts: without --num-prompts the generation deadline decides how many there are (the
-    # plan's count is a forecast from the first seconds). At least 8 batches: a probe that read a hogged machine at
-    # 46 tok/s planned 8 prompts, and a cap of 2 batches stopped generation at 192 with a third of its share left
+    # plan's count is a forecast from the first seconds). At least 8 batches: a probe that read a hogged machine far
+    # too slow planned a handful of prompts, and a cap of 2 batches stopped generation with a third of its share
+    # left (bench/README.md § Measured defaults)
     most_prompts = args.num_prompts or max(4 * plan.num_prompts, 8 * args.batch)
     train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS}
     if args.train_steps:

@@ -1,6 +1,6 @@
 """The trainer at scale: activation checkpointing (the draft-vocabulary logits recomputed in the backward pass
 instead of kept: the same loss and gradients, fewer saved activations), and training across nodes through
-torchrun's rendezvous with the command the README gives, exported by a train job that resumes its artifact."""
+torchrun's rendezvous with the command docs/operations.md gives, exported by a train job that resumes its artifact."""
 from __future__ import annotations
 
 import os

@@ -11,8 +11,8 @@ In-process (the default, no endpoint): the target's forward over [b, n] new toke
 CONTEXT tokens, and the drafter's step at batch b, READINGS timed calls of each: the point is the fastest (the least
 disturbed), the gap to the next fastest its noise. The drafter always runs in-process: that is its cost on this
 machine, not inside the engine (the report says so). On a CPU both run on one thread, as vLLM-CPU runs its model
-on one core: on a shared CPU, several threads mostly measure contention (2 threads read 20–110 ms for a draft step
-that takes 4–7 ms on one).
+on one core: on a shared CPU, several threads mostly measure contention (their readings of a draft step spread
+several times wider than one thread's).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
 STEPS = 16  # tokens each request decodes per measured point
 READINGS = 5  # timed calls per in-process point: one reading of a step on a shared CPU is mostly noise
-# what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it): 25 s at 2
-# readings a point, scaled by the calls READINGS makes (51 target and 42 drafter calls where there were 21 and 21)
+# what the in-process points take, about, for the bundled target on 2 cores (a deadline keeps it): the time 2
+# readings a point took, scaled by the calls READINGS makes
 STEP_TIMES_S = 55.0
 
 

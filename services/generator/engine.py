@@ -75,9 +75,8 @@ class HttpEngine:
         self.max_connections = max_connections  # also the most raw completions `complete_many` keeps in flight
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # httpx's pool does work in proportion to its connections on every request: at hundreds in flight one
-        # pool costs more CPU than the requests themselves (at 1,000, a fifth of the requests per second on 2
-        # cores), so requests take turns over pools of about POOL_CONNECTIONS each (8 rather than 16: 1.15 ms of
-        # CPU per request instead of 1.6 at 32 in flight against an endpoint that answers in 20 ms)
+        # pool costs more CPU than the requests themselves, so requests take turns over pools of about
+        # POOL_CONNECTIONS each (8 rather than 16: less CPU per request; bench/README.md § Generator under load)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.clients = [httpx.AsyncClient(headers=headers, limits=limits)
                         for _ in range(-(-max_connections // POOL_CONNECTIONS))]
@@ -245,9 +244,9 @@ class InProcessEngine:
 
     def _decode(self, ids, mask, params: SamplingParams) -> list[list[int]]:
         """Greedy or sampled decoding (temperature, top-p) with a KV cache that drops each row from the batch once
-        it has ended: a batch costs the tokens it generates, not rows × its longest row as `generate` does (on
-        this CPU, 2.5x faster for prompt synthesis, whose requests are mostly far shorter than max_tokens). The
-        cache grows in place (eyas.decoding)."""
+        it has ended: a batch costs the tokens it generates, not rows × its longest row as `generate` does (most
+        of all for prompt synthesis, whose requests are mostly far shorter than max_tokens). The cache grows in
+        place (eyas.decoding; bench/README.md § In-process decoding)."""
         from eyas.decoding import growing_cache
 
         torch, model, eos = self.torch, self.target.model, self.tok.eos_token_id

@@ -42,7 +42,8 @@ def _synthesis(spec: Spec, held: list[str]) -> dict:
 def in_batches(spec: Spec) -> bool:
     """Whether the job's prompts come a batch at a time: a job that only synthesizes, to a deadline. Each batch is
     answered before the next is drawn, so a slow spell costs a batch, not the answers to every prompt synthesized
-    first (bench/README.md, "A budget on a busy machine": 149 of 245 went unanswered)."""
+    first (a hog on the answers left most of a run's synthesized prompts unanswered:
+    bench/README.md § Measured defaults)."""
     return bool(spec.finish_by and spec.synthesize and not spec.prompts and not spec.mix)
 
 

@@ -20,8 +20,8 @@ from services.generator.throttle import Throttle
 # A retry after a timeout waits this many times the slowest answer the job has had (doubled for each further
 # timeout of the same request), never more than the full timeout: a request that hung past the full timeout is
 # more likely lost at the server than slow, and a chain of full timeouts would set the job's wall time. At 2x, a
-# full batch's slowest answers (1,024 tokens at 10 ms) put the retry at the full timeout again: a prompt that hung
-# twice cost two (bench/README.md: 1.10-1.19x the bare client at C = 200 with faults; 0.95x at 1.5).
+# full batch's slowest answers put the retry at the full timeout again: a prompt that hung twice cost two
+# (bench/README.md § Measured defaults).
 RETRY_TIMEOUT_FACTOR = 1.5
 
 
@@ -36,11 +36,11 @@ def retry_timeout(slowest_s: float, timeouts: int, full_s: float) -> float | Non
 
 
 # A prompt is started while this share of its time (as long as recent ones took) still fits before the deadline: a
-# unit that is large against the deadline (in-process, a batch of answers is ~55 s of generation's ~220 s) would
-# otherwise be dropped whole when the time left is a little short of it. The answers to a synthesized batch are
-# what its synthesis was for: a hog from minute 3 of a 10-minute run slowed one batch's synthesis so that its
-# answers fitted 34 s of their 56, and dropping them halved the run's data (τ 1.232 against 1.298 quiet,
-# bench/README.md "A budget on a busy machine"). At a half, the last unit ends at the deadline on average. Synthesis
+# unit that is large against the deadline (in-process, a batch of answers is a quarter of generation's share in a
+# 10-minute run) would otherwise be dropped whole when the time left is a little short of it. The answers to a
+# synthesized batch are what its synthesis was for: a hog that slowed one batch's synthesis left its answers a
+# little short of fitting, and dropping them halved the run's data and lost τ
+# (bench/README.md § Measured defaults). At a half, the last unit ends at the deadline on average. Synthesis
 # draws a round only while it and this share of its batch's answers fit (services/generator/gather.py).
 START_WHILE_FITS = 0.5
 

@@ -79,10 +79,10 @@ class Signals:
 def initial_limit(maximum: int) -> int:
     """Where slow start begins by default: half the job's concurrency (at least 4), so that while latency stays
     flat the limit reaches it in one round trip, whatever the concurrency, where starting at 4 took
-    log2(concurrency / 4) (8 round trips at 1,000). From a quarter, a run of 3 round trips against an endpoint
-    without /metrics took 1.08-1.12x a bare client fixed at the job's concurrency (bench/README.md). Tripling
-    per round trip from half reached it sooner, but against a 16-slot server without /metrics it overshot past
-    what latency steering pulled back within 600 requests (tests/test_throttle.py)."""
+    log2(concurrency / 4) (8 round trips at 1,000). From a quarter, short runs against an endpoint without
+    /metrics fell behind a bare client fixed at the job's concurrency (bench/README.md § Measured defaults).
+    Tripling per round trip from half reached it sooner, but against a 16-slot server without /metrics it
+    overshot past what latency steering pulled back within 600 requests (tests/test_throttle.py)."""
     return min(maximum, max(4, -(-maximum // 2)))
 
 

@@ -13,7 +13,7 @@ from eyas.stage import UNIX_TIME_MAX, StageSpec
 DEFAULT_DRAFT_VOCAB = 8192  # Vd, why this size: services.trainer.vocab
 
 # Settings for a CPU run on the bundled target (`eyas run` merges them into its trainer spec); the measurements
-# behind each value are in bench/README.md ("Trainer CPU preset").
+# behind each value: bench/README.md § Trainer CPU preset.
 CPU_PRESET: dict[str, Any] = {"ttt_steps": 3, "draft_vocab_size": 4096, "lr": 3e-3, "batch_tokens": 512,
                               "warmup": 10, "epochs": 3.0}
 
