@@ -4,8 +4,8 @@ Every method runs on the same prompts (token ids, greedy) and the same engine as
 same concurrencies; its speed-up is end-to-end tokens/s over the plain server's in that check. The choice per
 concurrency is the fastest of plain decoding, the drafter and these, measured, never predicted; when a free method
 beats the drafter, the decision says what τ the drafter would need to pass it (tokens/s grows about linearly with
-τ at a fixed step cost, so τ_needed = τ_drafter · speedup_free / speedup_drafter) and what the data law of
-bench/README.md § "Data law" says that costs.
+τ at a fixed step cost, so τ_needed = τ_drafter · speedup_free / speedup_drafter) and what the data law (τ per
+doubling of the training prompts) says that costs: bench/README.md § A budget on a busy machine.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ FREE_METHODS: dict[str, dict] = {
 }
 LABELS = {"plain": "plain decoding", "drafter": "this drafter", "ngram": "n-gram prompt lookup",
           "suffix": "suffix decoding"}
-# τ gained per doubling of the training prompts (bench/README.md § "Data law"), low and high
+# τ gained per doubling of the training prompts, low and high: bench/README.md § A budget on a busy machine
 TAU_PER_DOUBLING = (0.04, 0.07)
 
 
