@@ -62,6 +62,10 @@ VAL_PASSES = 10
 # generation, where τ is bought, a third. Quiet, it takes less; under a deadline the evaluator scores what its share
 # allows.
 EVAL_SHARE = 0.2
+# Seconds `eyas run` keeps after the evaluation's deadline for the live check (--live): four vLLM starts (plain,
+# the drafter, n-gram prompt lookup, suffix decoding, which fails fast where not installed) and their runs of
+# services.evaluator.serving.LIVE_PROMPTS prompts at two concurrencies: bench/README.md § Serving prediction.
+LIVE_CHECK_S = 300.0
 
 
 @dataclass(frozen=True)

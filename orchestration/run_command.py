@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import time
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from eyas.defaults import BUNDLED
+
+if TYPE_CHECKING:
+    from eyas.settings import Settings
 
 METHODS = ("eagle3", "peagle", "dflash")  # the trainer's (services.trainer.spec.Spec.method)
 # cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
@@ -63,6 +67,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "end (eagle3 only when the features are streamed: they feed one trainer) (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="the serving concurrency --method auto chooses for (default: %(default)s)")
+    p.add_argument("--live", choices=("auto", "on", "off"), default="auto",
+                   help="check the serving answer on vLLM: start it serving the target plain, with the drafter and "
+                   "with n-gram prompt lookup (and suffix decoding where installed), measure each on the evaluation "
+                   "prompts, and answer with the fastest; the budget keeps time for it (LIVE_CHECK_S). auto: on when "
+                   "a vLLM environment is installed (EYAS_VLLM_PYTHON, or the checkout's .venv-vllm) and the budget "
+                   "is over twice that (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
@@ -117,13 +127,47 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
         node[fields[-1]] = value
 
 
+def live_command(live: str, settings: Settings, minutes: float, method: str) -> tuple[str | None, str]:
+    """The command the evaluator starts vLLM with for the live check (Settings.vllm_command), or None, and why:
+    the operator's own command when set, else the vLLM environment's OpenAI server (fp32 and eager on a CPU, the
+    engine's defaults on a GPU)."""
+    from orchestration.budget import LIVE_CHECK_S
+
+    if live == "off":
+        return None, "--live off"
+    if method == "auto":  # each drafter its own vLLM starts: more than a budget keeps
+        return None, "--method auto compares the drafters by prediction; check the chosen one with --method M"
+    python = settings.vllm_python
+    if not settings.vllm_command and (python is None or not python.exists()):
+        if live == "on":
+            raise SystemExit(f"--live on: no vLLM environment (EYAS_VLLM_PYTHON={python}): run "
+                             "scripts/install-vllm.sh, or set EYAS_VLLM_COMMAND")
+        return None, "no vLLM environment installed (scripts/install-vllm.sh)"
+    if live == "auto" and 60 * minutes < 2 * LIVE_CHECK_S:
+        return None, f"a {minutes:g}-minute budget leaves no room for it (--live on forces it)"
+    if settings.vllm_command:
+        return settings.vllm_command, f"EYAS_VLLM_COMMAND, {LIVE_CHECK_S:.0f} s kept for it"
+    cpu = settings.device == "cpu" or (settings.device == "auto" and not _has_cuda())
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048", "--seed", "0",
+               *(["--dtype", "float32", "--enforce-eager"] if cpu else [])]
+    return shlex.join(command), f"vLLM from {python}, {LIVE_CHECK_S:.0f} s kept for it"
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     from eyas.layout import default_aux_layers
+    from eyas.settings import Settings
     from eyas.target import resolve_target
     from orchestration.budget import (
         ANSWER_TOKENS,
         DECODE_PROMPTS,
         EVAL_SHARE,
+        LIVE_CHECK_S,
         MAX_EPOCHS,
         PROMPT_TOKENS,
         Done,
@@ -143,11 +187,14 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from services.trainer.spec import CPU_PRESET
 
     t0 = time.monotonic()
-    end = time.time() + 60 * args.minutes  # the budget is a deadline: every stage's is a share of what is left
+    command, why = live_command(args.live, Settings(), args.minutes, args.method)
+    print(f"live check on vLLM: {'on' if command else 'off'} ({why})")
+    reserve_s = LIVE_CHECK_S if command else 0.0  # after the evaluation's deadline, within the budget
+    minutes = args.minutes - reserve_s / 60
+    end = time.time() + 60 * minutes  # the budget is a deadline: every stage's is a share of what is left
     print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
     rates = measure_rates(args.target, args.batch)
-    plan = plan_run(args.minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS,
-                    spent_s=time.monotonic() - t0)
+    plan = plan_run(minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS, spent_s=time.monotonic() - t0)
     max_tokens = args.max_tokens or plan.max_tokens
     eval_prompts = args.eval_prompts or plan.eval_prompts
     print(rates_line(rates))
@@ -171,7 +218,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     }
     apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
     settings = command_line_settings("generate", spec, args.workdir)
-    runner = EmbeddedRunner(settings)
+    runner = EmbeddedRunner(settings.model_copy(update={"vllm_command": command}))
     replanned: dict[str, float] = {}
     jobs = []
 

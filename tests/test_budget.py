@@ -22,7 +22,7 @@ from orchestration.budget import (
     val_interval,
     val_passes,
 )
-from orchestration.run_command import apply_overrides, hand_off_features
+from orchestration.run_command import apply_overrides, hand_off_features, live_command
 from services.trainer.spec import Spec as TrainSpec
 
 # about what a quiet 2-core machine measures with the bundled target
@@ -138,3 +138,29 @@ def test_a_streaming_policy_reaches_the_extract_and_train_specs():
     hand_off_features(extract, train, "first_epoch", 1000.0)
     assert extract["stream"] == {"policy": "first_epoch", "epochs": 2, "seed": 7, "max_store_gb": 1000.0}
     assert train["cache_gb"] == 1000.0  # two windows of half the cap
+
+
+def test_the_live_check_is_on_where_vllm_is_installed_and_the_budget_has_room(tmp_path):
+    """--live auto: on with a vLLM environment and a budget over twice the live check's reserve (fp32 and eager on a
+    CPU); off without one, on a short budget, or for --method auto; --live on without vLLM is an error naming it."""
+    from eyas.settings import Settings
+    from orchestration.budget import LIVE_CHECK_S
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    cpu = Settings(vllm_python=python, device="cpu")
+    command, _ = live_command("auto", cpu, 10, "eagle3")
+    assert command is not None and command.split()[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--dtype float32 --enforce-eager" in command
+    assert live_command("auto", cpu, 2 * LIVE_CHECK_S / 60 - 0.1, "eagle3")[0] is None
+    assert live_command("on", cpu, 1, "eagle3")[0] == command
+    assert live_command("off", cpu, 10, "eagle3") == (None, "--live off")
+    assert live_command("auto", cpu, 10, "auto")[0] is None
+    operator = Settings(vllm_python=python, vllm_command="my-vllm --dtype half")
+    assert live_command("auto", operator, 10, "eagle3")[0] == "my-vllm --dtype half"
+    missing = Settings(vllm_python=tmp_path / "none" / "python")
+    assert live_command("auto", missing, 10, "eagle3") == (None, "no vLLM environment installed "
+                                                                 "(scripts/install-vllm.sh)")
+    with pytest.raises(SystemExit, match="--live on: no vLLM environment"):
+        live_command("on", missing, 10, "eagle3")

@@ -16,6 +16,7 @@ def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "orchestration.cli", "run", "--workdir", str(tmp_path / "w"), "--num-prompts", "4",
          "--max-tokens", "24", "--batch", "4", "--train-steps", "3", "--eval-prompts", "2", "--method", "auto",
+         "--live", "off",
          # a short evaluation: 16 new tokens, one prompt of the second held-out set
          "--set", "evaluate.max_new_tokens=16", "--set", "evaluate.second_num_prompts=1"],
         capture_output=True, text=True, timeout=900)

@@ -33,6 +33,7 @@ from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from orchestration.embedded import EmbeddedRunner
+from services.evaluator import alternatives
 from services.evaluator.chains import drafted_ks, replay, run_lengths
 from services.evaluator.costmodel import speculative_config
 from services.evaluator.live import timed_completions
@@ -173,6 +174,19 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     assert [row["concurrency"] for row in serving["table"]] == [1, 4, 16, 64]
     assert list(serving["tau_per_k"]) == [str(k) for k in range(1, 8)]
     assert json.loads(serving["speculative_config"])["num_speculative_tokens"] == recommended
+    # the free alternatives on the same prompts and engine: n-gram prompt lookup served at both concurrencies;
+    # suffix decoding served, or a row with the engine's reason (it needs arctic-inference); the decision is the
+    # fastest measured
+    ngram = [r for r in serving["alternatives"] if r["method"] == "ngram"]
+    assert [r["concurrency"] for r in ngram] == [1, 4] and all(r["served"] and r["speedup"] > 0 for r in ngram)
+    assert all(r["tau"] is not None and 0 <= r["accepted_per_output_token"] < 1 for r in ngram)
+    suffix = [r for r in serving["alternatives"] if r["method"] == "suffix"]
+    assert suffix and all(r["served"] or r["why"] for r in suffix)
+    print("alternatives:", [(r["method"], r["concurrency"], r["speedup"], r["why"]) for r in serving["alternatives"]],
+          "\nserved:", serving["served"], "\n", serving["decision"])
+    first = serving["served"][0]
+    assert first["concurrency"] == 1 and first["speedup"] == max(first["speedups"].values())
+    assert serving["decision"].startswith(f"serve {alternatives.LABELS[first['fastest']]}")
     assert job.metrics["serving_decision"] == serving["decision"]
 
 

@@ -402,13 +402,13 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
                                      "started": [name for name, given in (("plain", spec.endpoint),
                                                                           ("spec", spec.spec_endpoint)) if not given]}
-            out["live_check"] = serving.live_check(prompts, spec.max_new_tokens, endpoint, spec_endpoint, times,
-                                                   per_k, api_key, ctx.check)
+            out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], spec.max_new_tokens, endpoint,
+                                                   spec_endpoint, times, per_k, api_key, ctx.check)
     if command and out.get("live_check"):
         # after the drafter's servers stopped: one vLLM at a time on the host
         baseline = {r["concurrency"]: r["baseline_tok_s"] for r in out["live_check"]}
         out["alternatives"] = alternatives.measure_free(
-            prompts, spec.max_new_tokens, baseline,
+            prompts[:serving.LIVE_PROMPTS], spec.max_new_tokens, baseline,
             lambda config: launch.vllm(command, resolve_target(spec.target), config, check=ctx.check),
             api_key, ctx.check)
         out["served"] = alternatives.choose(out["live_check"], out["alternatives"])

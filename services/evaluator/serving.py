@@ -27,6 +27,7 @@ from services.evaluator.specdec import PromptIds
 
 K_MAX = 7
 LIVE_CONCURRENCIES = (1, 4)
+LIVE_PROMPTS = 8  # a few: every method's server runs them at each concurrency (vLLM-CPU decodes ~20 tok/s a stream)
 # in-process target points: one forward over n new tokens (b = min(n, 64) sequences of n / b tokens)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
