@@ -1,0 +1,100 @@
+"""FP8 features against bf16 at fixed data (issue #45, item 1): the same extract job with features_dtype bfloat16
+and float8_e4m3fn on the bundled target, then the same short train job on each; side by side:
+
+  bytes/token     the shard files' bytes (the manifest's entries) over the tokens (goal: fp8 ≤ 0.52× bf16)
+  extract tok/s   the extract job's tokens over its wall time (target load included, the same for both)
+  write tok/s     the shard writer alone (eyas.features.ShardBuffer.write: bf16 cast, or fp8 quantization) on the
+                  extracted samples: what fp8 adds to an extract on a GPU, where the forward is not the bottleneck
+  train tok/s     the train job's mean tokens/s per step (shard loading and fp8 dequantization included)
+  val loss / acc  the train job's last validation, for a sanity check only: τ is measured by the command in
+                  bench/README.md (80 MT-bench prompts, three seeds each)
+
+Conversations: the bundled MT-bench prompts, both user turns as the user's and the assistant's text (as
+bench/extractor.py), so the sizes are deterministic.
+
+    .venv/bin/python bench/features_fp8.py [--samples 24] [--steps 20]     # EYAS_DEVICE / EYAS_DTYPE apply
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from eyas.features import FeatureReader, ShardBuffer
+from eyas.layout import BF16, FP8
+from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest
+from eyas.prompts import bundled_prompt_file, load_prompts
+from eyas.settings import get_settings
+from eyas.store import Artifact, LocalStore, open_artifact
+from eyas.target import BUNDLED, load_tokenizer, tokenizer_hash
+from orchestration.embedded import EmbeddedRunner
+
+
+def write_data(directory: Path, samples: int) -> str:
+    records = [{"id": p.id, "messages": [{"role": "user", "content": p.user_turns[0]},
+                                         {"role": "assistant", "content": " ".join(p.user_turns)}]}
+               for p in load_prompts(bundled_prompt_file("mt_bench"))[:samples]]
+    directory.mkdir(parents=True)
+    writer = ArtifactWriter(Artifact(LocalStore(directory)))
+    writer.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+    writer.commit(Manifest(kind="dataset", id="bench-fp8", counts={"conversations": len(records)},
+                           dataset=DatasetFacts(target=BUNDLED, tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
+    return str(directory)
+
+
+def write_rate(reader: FeatureReader, dtype: str, tmp: Path, repeats: int = 3) -> float:
+    """Tokens/s of the shard writer alone, storing `reader`'s samples in `dtype` (best of `repeats`)."""
+    samples = list(reader.samples())
+    tokens = sum(len(s.input_ids) for s in samples)
+    best = float("inf")
+    for _ in range(repeats):
+        buf = ShardBuffer(max_bytes=1 << 40, dtype=dtype)
+        for s in samples:
+            buf.add(s)
+        t0 = time.perf_counter()
+        buf.write(tmp / f"w-{dtype}.safetensors")
+        best = min(best, time.perf_counter() - t0)
+    return tokens / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=24, help="MT-bench prompts as conversations (at most 80)")
+    ap.add_argument("--steps", type=int, default=20, help="train steps on each")
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="eyas-bench-fp8-") as tmp:
+        tmp = Path(tmp)
+        data = write_data(tmp / "data", args.samples)
+        base = get_settings()
+        emb = EmbeddedRunner(base.model_copy(update={"workdir": tmp / "w", "input_roots": [tmp]}))
+        rows = {}
+        for dtype in (BF16, FP8):  # the same jobs, in the same order, on the same data
+            t0 = time.perf_counter()
+            [ext] = emb.run_job("extract", {"data": data, "features_dtype": dtype, "batch_tokens": args.batch_tokens},
+                                output_dir=tmp / dtype)
+            extract_s = time.perf_counter() - t0
+            assert ext.state == "succeeded", ext.error
+            reader = FeatureReader(open_artifact(str(tmp / dtype)))
+            tokens = reader.manifest.counts["tokens"]
+            [trn] = emb.run_job("train", {"features": str(tmp / dtype), "steps": args.steps, "ttt_steps": 3,
+                                          "draft_vocab_size": 4096, "batch_tokens": args.batch_tokens, "warmup": 2,
+                                          "val_every": 6, "val_interval": args.steps, "seed": 0})
+            assert trn.state == "succeeded", trn.error
+            m = trn.metrics
+            rows[dtype] = {"tokens": tokens,
+                           "bytes_per_token": sum(reader.manifest.files[n].bytes for n in reader.shards) / tokens,
+                           "extract_tok_s": tokens / extract_s, "write_tok_s": write_rate(reader, dtype, tmp),
+                           "train_tok_s": m["tokens_per_s"], "val_loss": m.get("val_loss"),
+                           "val_acc0": (m.get("val_acc") or [None])[0]}
+            print(json.dumps({"dtype": dtype, **rows[dtype]}), flush=True)
+        b, f = rows[BF16], rows[FP8]
+        print(json.dumps({"fp8_over_bf16": {k: f[k] / b[k] for k in ("bytes_per_token", "extract_tok_s",
+                                                                      "write_tok_s", "train_tok_s")},
+                          "device": base.device, "samples": args.samples, "steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()
