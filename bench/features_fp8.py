@@ -6,6 +6,9 @@ and float8_e4m3fn on the bundled target, then the same short train job on each; 
   write tok/s     the shard writer alone (eyas.features.ShardBuffer.write: bf16 cast, or fp8 quantization) on the
                   extracted samples: what fp8 adds to an extract on a GPU, where the forward is not the bottleneck
   train tok/s     the train job's mean tokens/s per step (shard loading and fp8 dequantization included)
+  codec tok/s     quantize and dequantize alone (eyas.features), at an 8B target's shapes (--hidden 4096, 3 aux
+                  layers), on this process's torch threads: the CPU work fp8 adds per token to an extract (the vLLM
+                  engine hands its states to the host before the writer quantizes) and to a train step
   val loss / acc  the train job's last validation, for a sanity check only: τ is measured by the command in
                   bench/README.md (80 MT-bench prompts, three seeds each)
 
@@ -22,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eyas.features import FeatureReader, ShardBuffer
+import torch
+
+from eyas.features import FeatureReader, ShardBuffer, dequantize, quantize
 from eyas.layout import BF16, FP8
 from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest
 from eyas.prompts import bundled_prompt_file, load_prompts
@@ -59,12 +64,33 @@ def write_rate(reader: FeatureReader, dtype: str, tmp: Path, repeats: int = 3) -
     return tokens / best
 
 
+def codec_rates(hidden: int, n_aux: int = 3, tokens: int = 1024, repeats: int = 3) -> dict[str, float]:
+    """Tokens/s of quantize and of dequantize (aux and final states of `tokens` tokens), best of `repeats`."""
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(tokens, n_aux * hidden, generator=g).bfloat16()
+    final = torch.randn(tokens, hidden, generator=g).bfloat16()
+    best = {"quantize_tok_s": float("inf"), "dequantize_tok_s": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        coded = quantize(aux, n_aux), quantize(final, 1)
+        t1 = time.perf_counter()
+        for q, scale in coded:
+            dequantize(q, scale)
+        t2 = time.perf_counter()
+        best = {"quantize_tok_s": min(best["quantize_tok_s"], t1 - t0),
+                "dequantize_tok_s": min(best["dequantize_tok_s"], t2 - t1)}
+    return {k: tokens / v for k, v in best.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=24, help="MT-bench prompts as conversations (at most 80)")
     ap.add_argument("--steps", type=int, default=20, help="train steps on each")
     ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=4096, help="the codec rows' hidden size")
     args = ap.parse_args()
+    print(json.dumps({"codec": {"hidden": args.hidden, "threads": torch.get_num_threads(),
+                                **codec_rates(args.hidden)}}), flush=True)
     with tempfile.TemporaryDirectory(prefix="eyas-bench-fp8-") as tmp:
         tmp = Path(tmp)
         data = write_data(tmp / "data", args.samples)
