@@ -83,7 +83,8 @@ def quantize(x: torch.Tensor, states: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(x.shape[0], states, -1)  # [T, states, H]
     low, high = torch.aminmax(rows, dim=-1)
     scale = torch.maximum(high, -low).float() / FP8_MAX  # [T, states]
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    # a row whose scale is too small to invert in float32 (amax below ~5e-36) is stored as zeros: 0 · ∞ is NaN
+    inverse = torch.where(scale > torch.finfo(torch.float32).tiny, 1 / scale, torch.zeros_like(scale))
     q = (rows.float() * inverse[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), scale
 
