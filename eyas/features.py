@@ -1,9 +1,13 @@
 """Feature shards: the extractor writes them, the trainer and evaluator read them — through this module only.
 
 A shard is one safetensors file holding several samples back to back (tensor names in eyas.layout):
-  input_ids [T] int32, loss_mask [T] uint8, aux_hidden [T, n_aux·H] bf16, final_hidden [T, H] bf16,
+  input_ids [T] int32, loss_mask [T] uint8, aux_hidden [T, n_aux·H], final_hidden [T, H],
   offsets [S+1] int64 (sample s = tokens offsets[s]:offsets[s+1]).
-The features manifest carries the layout; `FeatureReader` refuses features whose layout is not the expected one.
+The hidden states are stored in the layout's dtype: bf16, or fp8 (e4m3) with a float32 scale per token and per
+state beside them (aux_hidden_scale [T, n_aux], final_hidden_scale [T, 1]), about half the bytes. Every reader gets
+bf16 samples either way: `shard_sample` dequantizes (q · scale).
+The features manifest carries the layout; `FeatureReader` refuses features whose layout is not the expected one,
+and a shard whose tensors are not stored as its layout says.
 """
 from __future__ import annotations
 
@@ -19,12 +23,20 @@ from safetensors.torch import load, load_file, save, save_file
 from eyas.handoff import INDEX, StreamPlan, read_plan, ready_entry
 from eyas.layout import (
     AUX_HIDDEN,
+    AUX_SCALE,
+    BF16,
+    FEATURE_DTYPES,
     FEATURE_TENSORS,
     FINAL_HIDDEN,
+    FINAL_SCALE,
+    FP8,
+    FP8_MAX,
     INPUT_IDS,
     LOSS_MASK,
     OFFSETS,
+    SCALES,
     Layout,
+    LayoutMismatch,
     check_layout,
 )
 from eyas.manifest import MANIFEST, Manifest, check_fetched, read_manifest
@@ -39,32 +51,79 @@ class Sample:
     final_hidden: torch.Tensor  # [T, H]
 
 
-def shard_bytes(tokens: int, width: int) -> int:
-    """What `tokens` tokens take in a shard: `width` hidden values each (aux + final, bf16), id (int32), mask (uint8)."""
-    return tokens * (width * 2 + 5)
+def token_bytes(width: int, states: int = 1, dtype: str = BF16) -> int:
+    """What a token takes in a shard: `width` hidden values over `states` states (aux layers + final) in `dtype`
+    (bf16: 2 bytes each; fp8: 1 byte each and a float32 scale per state), its id (int32) and mask (uint8)."""
+    return (width * 2 if dtype == BF16 else width + 4 * states) + 5
 
 
-SHARD_HEADER_BYTES = 1024  # safetensors' header of a shard's five tensors (about 450 bytes), at most
+def layout_token_bytes(layout: Layout) -> int:
+    """What a token of features in `layout` takes in a shard."""
+    states = len(layout.aux_layers) + 1
+    return token_bytes(states * layout.hidden_size, states, layout.dtype)
 
 
-def shard_file_bytes(tokens: int, samples: int, width: int) -> int:
-    """A shard file's size, at most, for `samples` samples of `tokens` tokens in all: their rows, the offsets,
-    the header."""
-    return shard_bytes(tokens, width) + 8 * (samples + 1) + SHARD_HEADER_BYTES
+def shard_bytes(tokens: int, row: int) -> int:
+    """What `tokens` tokens take in a shard, `row` bytes each (token_bytes)."""
+    return tokens * row
+
+
+SHARD_HEADER_BYTES = 1024  # safetensors' header of a shard's tensors (about 400 bytes; 560 with fp8's scales)
+
+
+def shard_file_bytes(tokens: int, samples: int, row: int) -> int:
+    """A shard file's size, at most, for `samples` samples of `tokens` tokens in all, `row` bytes each
+    (token_bytes): their rows, the offsets, the header."""
+    return shard_bytes(tokens, row) + 8 * (samples + 1) + SHARD_HEADER_BYTES
+
+
+def quantize(x: torch.Tensor, states: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, states·H] → (fp8 e4m3 [T, states·H], float32 scale [T, states]): each state's row scaled to e4m3's
+    range by its amax (a row of zeros: scale 0, values 0)."""
+    rows = x.reshape(x.shape[0], states, -1)  # [T, states, H]
+    low, high = torch.aminmax(rows, dim=-1)
+    scale = torch.maximum(high, -low).float() / FP8_MAX  # [T, states]
+    # a row whose scale is too small to invert in float32 (amax below ~5e-36) is stored as zeros: 0 · ∞ is NaN
+    inverse = torch.where(scale > torch.finfo(torch.float32).tiny, 1 / scale, torch.zeros_like(scale))
+    q = (rows.float() * inverse[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8 [T, states·H] and its scale [T, states] → [T, states·H] in `dtype`."""
+    rows = q.float().reshape(q.shape[0], scale.shape[-1], -1).mul_(scale[..., None])
+    return rows.reshape(q.shape).to(dtype)
 
 
 class ShardBuffer:
-    """Accumulates samples and flushes a shard file when it passes `max_bytes`."""
+    """Accumulates samples and flushes a shard file when it passes `max_bytes`; `dtype` is how the file stores
+    the hidden states (eyas.layout.FEATURE_DTYPES: the features' Layout.dtype)."""
 
-    def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = 256 << 20, dtype: str = BF16):
+        if dtype not in FEATURE_DTYPES:
+            raise ValueError(f"features dtype {dtype!r}: not one of {list(FEATURE_DTYPES)}")
+        self.max_bytes, self.dtype = max_bytes, dtype
         self.samples: list[Sample] = []
         self.nbytes = 0
 
     def add(self, s: Sample) -> bool:
         self.samples.append(s)
-        self.nbytes += shard_bytes(s.input_ids.numel(), s.aux_hidden.shape[-1] + s.final_hidden.shape[-1])
+        width = s.aux_hidden.shape[-1] + s.final_hidden.shape[-1]
+        self.nbytes += shard_bytes(s.input_ids.numel(), token_bytes(width, width // s.final_hidden.shape[-1],
+                                                                    self.dtype))
         return self.nbytes >= self.max_bytes
+
+    def _hidden(self) -> dict[str, torch.Tensor]:
+        if self.dtype == BF16:
+            return {key: torch.cat([getattr(s, key) for s in self.samples]).to(torch.bfloat16).contiguous()
+                    for key in (AUX_HIDDEN, FINAL_HIDDEN)}
+        H = self.samples[0].final_hidden.shape[-1]
+        out = {}
+        for key in (AUX_HIDDEN, FINAL_HIDDEN):  # sample by sample: a float32 copy of one sample at a time
+            parts = [quantize(getattr(s, key), getattr(s, key).shape[-1] // H) for s in self.samples]
+            out[key] = torch.cat([q for q, _ in parts])
+            out[SCALES[key]] = torch.cat([scale for _, scale in parts])
+        return out
 
     def write(self, path: Path) -> int:
         lengths = [s.input_ids.numel() for s in self.samples]
@@ -73,8 +132,7 @@ class ShardBuffer:
         tensors = {
             INPUT_IDS: torch.cat([s.input_ids for s in self.samples]).to(torch.int32),
             LOSS_MASK: torch.cat([s.loss_mask for s in self.samples]).to(torch.uint8),
-            AUX_HIDDEN: torch.cat([s.aux_hidden for s in self.samples]).to(torch.bfloat16).contiguous(),
-            FINAL_HIDDEN: torch.cat([s.final_hidden for s in self.samples]).to(torch.bfloat16).contiguous(),
+            **self._hidden(),
             OFFSETS: offsets,
         }
         save_file(tensors, str(path))
@@ -142,10 +200,14 @@ def shard_name(i: int) -> str:
 
 
 def shard_sample(t: dict[str, torch.Tensor], i: int) -> Sample:
-    """Sample i of a shard's tensors (views into them)."""
+    """Sample i of a shard's tensors: views into bf16 ones; fp8 ones (with their scales) dequantized to bf16."""
     a, b = int(t[OFFSETS][i]), int(t[OFFSETS][i + 1])
+
+    def hidden(key: str) -> torch.Tensor:
+        return dequantize(t[key][a:b], t[SCALES[key]][a:b]) if SCALES[key] in t else t[key][a:b]
+
     return Sample(input_ids=t[INPUT_IDS][a:b].long(), loss_mask=t[LOSS_MASK][a:b].long(),
-                  aux_hidden=t[AUX_HIDDEN][a:b], final_hidden=t[FINAL_HIDDEN][a:b])
+                  aux_hidden=hidden(AUX_HIDDEN), final_hidden=hidden(FINAL_HIDDEN))
 
 
 def shard_samples(t: dict[str, torch.Tensor]) -> Iterator[Sample]:
@@ -171,6 +233,9 @@ class FeatureReader:
         if not layout:
             raise ValueError(f"{artifact.uri}: features manifest carries no layout")
         self.layout = Layout.from_dict(layout)
+        if self.layout.dtype not in FEATURE_DTYPES:
+            raise LayoutMismatch(f"features {artifact.uri} store their hidden states as {self.layout.dtype!r}, "
+                                 f"which this reader does not read (it reads {list(FEATURE_DTYPES)})")
         if expected is not None:
             check_layout(expected, self.layout, what=f"features {artifact.uri}")
         if self.stream is not None:
@@ -207,14 +272,27 @@ class FeatureReader:
         if not local.exists():
             self.fetch(name, local)
         t = load_file(str(local))
-        missing = [k for k in FEATURE_TENSORS if k not in t]
+        fp8 = self.layout.dtype == FP8
+        missing = [k for k in FEATURE_TENSORS + ((AUX_SCALE, FINAL_SCALE) if fp8 else ()) if k not in t]
         if missing:
             raise ValueError(f"{self.artifact.uri}/{name}: missing tensors {missing}")
-        width = len(self.layout.aux_layers) * self.layout.hidden_size
-        if t[AUX_HIDDEN].shape[1:] != (width,) or t[FINAL_HIDDEN].shape[1:] != (self.layout.hidden_size,):
+        for key in (AUX_HIDDEN, FINAL_HIDDEN):
+            stored = str(t[key].dtype).removeprefix("torch.")
+            if stored != self.layout.dtype:
+                raise LayoutMismatch(f"{self.artifact.uri}/{name}: {key} is stored as {stored}, but the features' "
+                                     f"layout says {self.layout.dtype}")
+        n_aux, H = len(self.layout.aux_layers), self.layout.hidden_size
+        if t[AUX_HIDDEN].shape[1:] != (n_aux * H,) or t[FINAL_HIDDEN].shape[1:] != (H,):
             raise ValueError(f"{self.artifact.uri}/{name}: tensor widths disagree with the layout")
+        if fp8 and (t[AUX_SCALE].shape != (len(t[AUX_HIDDEN]), n_aux) or t[AUX_SCALE].dtype != torch.float32
+                    or t[FINAL_SCALE].shape != (len(t[FINAL_HIDDEN]), 1) or t[FINAL_SCALE].dtype != torch.float32):
+            raise ValueError(f"{self.artifact.uri}/{name}: the fp8 scales are not float32 [T, n_aux] and [T, 1]")
         for key in (AUX_HIDDEN, FINAL_HIDDEN):  # NaN/inf would poison every step that sees it: name the sample
-            bad = (~torch.isfinite(t[key])).any(dim=1).nonzero()
+            if fp8:  # e4m3fn has no inf; its NaNs are S.1111.111 (0x7f, 0xff)
+                bad = ((t[key].view(torch.uint8) & 0x7F) == 0x7F).any(dim=1) | ~torch.isfinite(t[SCALES[key]]).all(1)
+            else:
+                bad = (~torch.isfinite(t[key])).any(dim=1)
+            bad = bad.nonzero()
             if len(bad):
                 sample = int(torch.searchsorted(t[OFFSETS], bad[0], right=True)[0]) - 1
                 raise ValueError(f"{self.artifact.uri}/{name}: non-finite values (NaN/inf) in {key} of sample "

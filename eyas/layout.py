@@ -22,10 +22,20 @@ LAYOUT_VERSION = 1
 # Tensor names inside a feature shard (safetensors). T = tokens in the shard, S = samples.
 INPUT_IDS = "input_ids"  # [T] int32
 LOSS_MASK = "loss_mask"  # [T] uint8, 1 = token the drafter learns (assistant reasoning + answer + end of turn)
-AUX_HIDDEN = "aux_hidden"  # [T, n_aux·H] bf16, cat([out(i) for i in aux_layers]) ascending
-FINAL_HIDDEN = "final_hidden"  # [T, H] bf16, target's final norm output (label source)
+AUX_HIDDEN = "aux_hidden"  # [T, n_aux·H] Layout.dtype, cat([out(i) for i in aux_layers]) ascending
+FINAL_HIDDEN = "final_hidden"  # [T, H] Layout.dtype, target's final norm output (label source)
 OFFSETS = "offsets"  # [S+1] int64, sample s spans tokens offsets[s]:offsets[s+1]
 FEATURE_TENSORS = (INPUT_IDS, LOSS_MASK, AUX_HIDDEN, FINAL_HIDDEN, OFFSETS)
+
+# How a shard stores the hidden states (Layout.dtype). FP8: float8 e4m3 with a float32 scale per token and per
+# state (each aux layer's H columns, and the final state); a value is q · scale, scale = amax(|state row|) / 448
+# (e4m3's largest finite value), 0 for an all-zero row. Readers dequantize (eyas.features) and never see fp8.
+BF16, FP8 = "bfloat16", "float8_e4m3fn"
+FEATURE_DTYPES = (BF16, FP8)
+FP8_MAX = 448.0
+AUX_SCALE = "aux_hidden_scale"  # [T, n_aux] float32, FP8 only: aux_hidden[t, j·H:(j+1)·H] = q · scale[t, j]
+FINAL_SCALE = "final_hidden_scale"  # [T, 1] float32, FP8 only: final_hidden[t] = q · scale[t, 0]
+SCALES = {AUX_HIDDEN: AUX_SCALE, FINAL_HIDDEN: FINAL_SCALE}
 
 
 EMBED = -1  # the embedding output, in(0)
@@ -49,7 +59,9 @@ class Layout:
     hidden_size: int
     vocab_size: int
     aux_layers: tuple[int, ...]  # physical out(i), ascending
-    dtype: str = "bfloat16"
+    # how shards store the hidden states (FEATURE_DTYPES): not what they mean, so check_layout does not compare it
+    # (a drafter trained on fp8 features is evaluated on bf16 ones); eyas.features checks every shard against it
+    dtype: str = BF16
     convention: str = "out"  # aux_layers are out(i): residual stream after layer i
     concat_order: str = "ascending"
     label: str = "final_norm"  # FINAL_HIDDEN is post-norm; apply lm_head only

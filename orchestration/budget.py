@@ -17,7 +17,8 @@ import math
 import typing
 from dataclasses import dataclass
 
-from eyas.features import shard_bytes
+from eyas.features import shard_bytes, token_bytes
+from eyas.layout import BF16
 from orchestration.run_command import FeaturesPolicy
 from services.evaluator.spec import Spec as EvalSpec
 from services.evaluator.steptime import STEP_TIMES_S
@@ -120,10 +121,12 @@ def sample_tokens(max_tokens: int) -> float:
     return PROMPT_TOKENS + ANSWER_FILL * max_tokens
 
 
-def features_gb(prompts: int, max_tokens: int, hidden: int, n_aux: int) -> float:
+def features_gb(prompts: int, max_tokens: int, hidden: int, n_aux: int, dtype: str = BF16) -> float:
     """The planned features in GiB: the prompts' tokens as extraction sees them, each taking what a shard stores of
-    it (n_aux aux layers and the final one, `hidden` bf16 values each; its id and loss mask)."""
-    return shard_bytes(round(prompts * sample_tokens(max_tokens)), (n_aux + 1) * hidden) / (1 << 30)
+    it (n_aux aux layers and the final one, `hidden` values each in `dtype`, the extract job's features_dtype;
+    its id and loss mask)."""
+    row = token_bytes((n_aux + 1) * hidden, n_aux + 1, dtype)
+    return shard_bytes(round(prompts * sample_tokens(max_tokens)), row) / (1 << 30)
 
 
 def features_policy(asked: str, planned_gb: float, cap_gb: float) -> tuple[FeaturesPolicy, str]:

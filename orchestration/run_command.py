@@ -160,7 +160,7 @@ def _has_cuda() -> bool:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    from eyas.layout import default_aux_layers
+    from eyas.layout import BF16, default_aux_layers
     from eyas.settings import Settings
     from eyas.target import resolve_target
     from orchestration.budget import (
@@ -237,8 +237,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     config = json.loads((resolve_target(args.target) / "config.json").read_text())
     n_aux = len(extract.get("aux_layers") or default_aux_layers(config["num_hidden_layers"]))
     cap_gb = args.store_gb or half_free_gb(args.workdir)
-    policy, why = features_policy(args.features_policy, features_gb(samples, max_tokens, config["hidden_size"], n_aux),
-                                  cap_gb)
+    planned_gb = features_gb(samples, max_tokens, config["hidden_size"], n_aux, extract.get("features_dtype", BF16))
+    policy, why = features_policy(args.features_policy, planned_gb, cap_gb)
     print(f"features: {policy}: {why}")
     streamed = policy != "cache"
     methods = (METHODS if not streamed else ("eagle3",)) if args.method == "auto" else (args.method,)

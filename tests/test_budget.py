@@ -110,6 +110,9 @@ def test_planned_features_take_what_a_shard_stores_per_token():
     assert features_gb(1000, 96, hidden, n_aux) == pytest.approx(1000 * sample_tokens(96) * per_token / (1 << 30),
                                                                  rel=1e-6)
     assert features_gb(1000, 96, hidden, n_aux=5) > features_gb(1000, 96, hidden, n_aux)
+    fp8_per_token = (n_aux + 1) * (hidden + 4) + 5  # e4m3 values and a float32 scale per state
+    assert features_gb(1000, 96, hidden, n_aux, "float8_e4m3fn") == pytest.approx(
+        1000 * sample_tokens(96) * fp8_per_token / (1 << 30), rel=1e-6)
 
 
 def test_features_are_cached_when_they_fit_the_store_else_recomputed_unless_a_policy_is_asked_for():

@@ -10,9 +10,19 @@ import pytest
 import torch
 
 from eyas.capture import capture
-from eyas.features import FeatureReader
-from eyas.layout import AUX_HIDDEN, FINAL_HIDDEN, OFFSETS, Layout, LayoutMismatch, default_aux_layers
-from eyas.manifest import read_manifest
+from eyas.features import FeatureReader, Sample, ShardBuffer, dequantize, quantize, shard_samples
+from eyas.layout import (
+    AUX_HIDDEN,
+    AUX_SCALE,
+    FINAL_HIDDEN,
+    FINAL_SCALE,
+    FP8,
+    OFFSETS,
+    Layout,
+    LayoutMismatch,
+    default_aux_layers,
+)
+from eyas.manifest import MANIFEST, read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target, resolve_target
@@ -175,3 +185,90 @@ def test_reasoning_turns_become_the_samples_the_server_saw(tmp_path, thinking):
                 for rid in [rec["id"] if n == 0 else f"{rec['id']}#{n}"]}
     stored = dict(zip(ids, FeatureReader(art).samples(), strict=True))
     assert {k: s.input_ids.tolist() for k, s in stored.items()} == expected
+
+
+# ---------------------------------------------------------------- fp8 features
+
+
+def within_e4m3(got: torch.Tensor, want: torch.Tensor, states: int) -> bool:
+    """Each value within e4m3's rounding (3 mantissa bits: 2^-4 of itself) plus bf16's (2^-8), or, where it is
+    below e4m3's normal range, 2^-10 of its state row's amax (a row below ~5e-36 is stored as zeros)."""
+    want = want.float().reshape(want.shape[0], states, -1)
+    amax = want.abs().amax(-1, keepdim=True)
+    err = (got.float().reshape(want.shape) - want).abs()
+    return bool((err <= (2**-4 + 2**-8) * want.abs() + 2**-10 * amax + 448 * torch.finfo(torch.float32).tiny).all())
+
+
+def test_fp8_round_trip_keeps_each_state_within_e4m3_error_and_zero_rows_zero(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    T, H = 32, 64
+    # states of very different magnitudes (a deep layer's residual is ~100× a shallow one's), a few outliers
+    aux = torch.randn(T, 3, H, generator=g) * torch.tensor([0.05, 3.0, 400.0])[:, None]
+    aux[5, 1, 7] = 9000.0
+    aux = aux.reshape(T, 3 * H).bfloat16()
+    final = (torch.randn(T, H, generator=g) * 2).bfloat16()
+    aux[0], final[0] = 0, 0  # an all-zero token (padding)
+    aux[1, H:2 * H] = 0  # one all-zero state of a token
+    aux[2, :H] = 1e-38  # one so small (bf16 subnormal) that its scale has no float32 inverse
+    q, scale = quantize(aux, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (T, 3) and scale.dtype == torch.float32
+    assert within_e4m3(dequantize(q, scale), aux, 3)
+
+    buf = ShardBuffer(dtype=FP8)
+    buf.add(Sample(torch.arange(T), torch.ones(T, dtype=torch.long), aux, final))
+    buf.add(Sample(torch.arange(4), torch.ones(4, dtype=torch.long), torch.zeros(4, 3 * H), torch.zeros(4, H)))
+    buf.write(tmp_path / "s.safetensors")
+    from safetensors.torch import load_file
+
+    t = load_file(str(tmp_path / "s.safetensors"))
+    assert t[AUX_HIDDEN].dtype == t[FINAL_HIDDEN].dtype == torch.float8_e4m3fn
+    assert t[AUX_SCALE].shape == (T + 4, 3) and t[FINAL_SCALE].shape == (T + 4, 1)
+    first, zeros = shard_samples(t)
+    assert first.aux_hidden.dtype == first.final_hidden.dtype == torch.bfloat16  # what every reader gets
+    assert within_e4m3(first.aux_hidden, aux, 3) and within_e4m3(first.final_hidden, final, 1)
+    assert (first.aux_hidden[0] == 0).all() and (first.final_hidden[0] == 0).all()
+    assert (first.aux_hidden[1, H:2 * H] == 0).all() and torch.isfinite(first.aux_hidden.float()).all()
+    assert (first.aux_hidden[2, :H].float().abs() <= 1e-38).all()
+    assert (zeros.aux_hidden == 0).all() and (zeros.final_hidden == 0).all()
+
+
+def test_fp8_features_take_half_the_bytes_read_back_as_bf16_ones_and_train(tmp_path):
+    """The same extract job with features_dtype fp8: ≤ 0.52× the bytes per token on the real files, the same
+    samples within e4m3's error, streamed to a train job (the hand-off) that trains on them; a shard stored
+    otherwise than its layout says is refused."""
+    data = write_dataset(tmp_path / "data")
+    emb = EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path]))
+    job = emb.run_job("extract", {"data": data}, output_dir=tmp_path / "bf16")[0]
+    assert job.state == "succeeded", job.error
+    train = {"stage": "train", "ttt_steps": 2, "draft_vocab_size": 256, "batch_tokens": 256, "steps": 4,
+             "warmup": 1, "val_every": 3, "cache_gb": 1.0}
+    ext, trn = emb.run_job("extract", {"data": data, "features_dtype": FP8, "then": [train],
+                                       "stream": {"policy": "first_epoch", "max_store_gb": 1.0}},
+                           output_dir=tmp_path / "fp8")
+    assert (ext.state, trn.state) == ("succeeded", "succeeded"), (ext.error, trn.error)
+    assert json.loads(open_artifact(trn.artifacts["output"]).get_bytes("manifest.json"))["counts"]["steps"] == 4
+
+    bf16, fp8 = (FeatureReader(open_artifact(str(tmp_path / d))) for d in ("bf16", "fp8"))
+    assert fp8.layout.dtype == FP8 and bf16.layout.dtype == "bfloat16"
+    assert fp8.layout == Layout.from_dict({**bf16.layout.to_dict(), "dtype": FP8})
+    tokens = sum(len(s.input_ids) for s in bf16.samples())
+    per_token = {r.layout.dtype: sum(r.manifest.files[n].bytes for n in r.shards) / tokens for r in (bf16, fp8)}
+    assert per_token[FP8] <= 0.52 * per_token["bfloat16"], per_token
+    for a, b in zip(bf16.samples(), fp8.samples(), strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert b.aux_hidden.dtype == torch.bfloat16
+        assert within_e4m3(b.aux_hidden, a.aux_hidden, 3) and within_e4m3(b.final_hidden, a.final_hidden, 1)
+
+    # fp8 shards under a layout that says bf16: refused, naming both
+    art = open_artifact(str(tmp_path / "fp8"))
+    manifest = json.loads(art.get_bytes(MANIFEST))
+    manifest["layout"]["dtype"] = "bfloat16"
+    art.put_bytes(MANIFEST, json.dumps(manifest).encode())
+    reader = FeatureReader(art)
+    with pytest.raises(LayoutMismatch, match="aux_hidden is stored as float8_e4m3fn, but the features' layout "
+                                             "says bfloat16"):
+        next(reader.samples())
+    manifest["layout"]["dtype"] = "float16"
+    art.put_bytes(MANIFEST, json.dumps(manifest).encode())
+    with pytest.raises(LayoutMismatch, match="'float16', which this reader does not read"):
+        FeatureReader(art)

@@ -1,7 +1,8 @@
 """The extract stage's vLLM engine (services.extractor.vllm_backend) against its transformers path, on the bundled
-target: the same artifact (sample ids, tokens, loss masks, offsets exactly; features within bf16 rounding), the
-engine recorded in the manifest, one engine process for the jobs after the first, a features stream fed by it,
-tensor parallel capture (two CPU ranks) agreeing too, and `engine: vllm` without a vLLM environment refused by name.
+target: the same artifact (sample ids, tokens, loss masks, offsets exactly; features within bf16 rounding, or
+e4m3's for fp8 features), the engine recorded in the manifest, one engine process for the jobs after the first, a
+features stream fed by it, tensor parallel capture (two CPU ranks) agreeing too, and `engine: vllm` without a vLLM
+environment refused by name.
 tests/test_families.py runs the same agreement on every family, and serves a drafter trained on vLLM-captured
 features."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from eyas.features import FeatureReader
+from eyas.layout import FP8
 from eyas.manifest import read_manifest
 from eyas.settings import Settings
 from eyas.store import open_artifact
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.vllm
 # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-9 of it, so a token's states by at most
 # 2^-9 of their norm; two engines computing the same fp32 states agree that closely once both are stored
 BF16_ROUNDING = 2.0 ** -9
+E4M3_ROUNDING = 2.0 ** -4 + 2.0 ** -8  # fp8 features: e4m3 keeps 4 significant bits, then bf16 on reading
 
 
 def samples_of(uri: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -38,9 +41,9 @@ def samples_of(uri: str) -> dict[str, dict[str, torch.Tensor]]:
             for i, s in zip(ids, samples, strict=True)}
 
 
-def assert_same_features(ours: str, reference: str, hidden: int) -> float:
+def assert_same_features(ours: str, reference: str, hidden: int, rounding: float = BF16_ROUNDING) -> float:
     """Same samples, tokens and masks exactly; every token's states (each aux layer, and the final one) within
-    bf16 rounding of the reference's. Returns the largest per-token relative error."""
+    `rounding` (bf16's) of the reference's. Returns the largest per-token relative error."""
     a, b = samples_of(ours), samples_of(reference)
     assert a.keys() == b.keys()
     worst = 0.0
@@ -52,7 +55,7 @@ def assert_same_features(ours: str, reference: str, hidden: int) -> float:
             v = y[name].float().view(u.shape)
             rel = (u - v).norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-12)
             worst = max(worst, float(rel.max()))
-    assert worst <= BF16_ROUNDING, f"a token's states differ by {worst:.2e} of their norm (bf16: {BF16_ROUNDING:.1e})"
+    assert worst <= rounding, f"a token's states differ by {worst:.2e} of their norm (allowed: {rounding:.1e})"
     return worst
 
 
@@ -86,10 +89,12 @@ def test_vllm_capture_writes_the_transformers_artifact_within_bf16_rounding(data
     print(f"largest per-token relative difference: {worst:.1e}")
     engine = vllm_backend._engine
     assert engine is not None and engine.proc.poll() is None  # kept for the next job
-    again, again_extra = extract(data, "vllm", "vllm-again")
+    # the next job, with fp8 features: the same engine (how shards store the states is a job's, not the engine's)
+    again, again_extra = extract(data, "vllm", "vllm-again", features_dtype=FP8)
     assert vllm_backend._engine is engine  # no second engine start
     assert again_extra["compute"]["engine_log"] == str(engine_log)  # its log, recorded by every job it serves
-    assert samples_of(again).keys() == samples_of(ours).keys()
+    assert FeatureReader(open_artifact(again)).layout.dtype == FP8
+    assert_same_features(again, reference, hidden=576, rounding=E4M3_ROUNDING)
 
 
 def test_a_features_stream_from_the_vllm_engine(data):

@@ -24,9 +24,9 @@ from tqdm import tqdm
 from eyas.coordination import LocalWork, Work
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
-from eyas.features import shard_name
+from eyas.features import layout_token_bytes, shard_name
 from eyas.handoff import INDEX, StreamPlan, abort, read_plan
-from eyas.layout import Layout, default_aux_layers
+from eyas.layout import BF16, Layout, default_aux_layers
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
 from eyas.settings import Settings
@@ -67,8 +67,9 @@ def layout_for(target: Target, aux_layers: list[int] | None) -> Layout:
     return target_layout(target.name, target.tokenizer, aux_layers)
 
 
-def target_layout(name: str, tokenizer, aux_layers: list[int] | None) -> Layout:
-    """The features' layout for target `name`, from its config and tokenizer (no weights loaded)."""
+def target_layout(name: str, tokenizer, aux_layers: list[int] | None, dtype: str = BF16) -> Layout:
+    """The features' layout for target `name`, from its config and tokenizer (no weights loaded), stored in
+    `dtype` (eyas.layout.FEATURE_DTYPES)."""
     from transformers import AutoConfig
 
     path = resolve_target(name)
@@ -76,7 +77,7 @@ def target_layout(name: str, tokenizer, aux_layers: list[int] | None) -> Layout:
     aux = tuple(sorted(aux_layers)) if aux_layers else default_aux_layers(config.num_hidden_layers)
     return Layout(target=name, target_config_hash=config_hash(path), tokenizer_hash=tokenizer_hash(tokenizer),
                   num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                  vocab_size=config.vocab_size, aux_layers=aux)
+                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype)
 
 
 @dataclass
@@ -87,18 +88,18 @@ class Job:
     plan: Plan
     source: Manifest  # the conversations' manifest
     template_kwargs: dict
-    width: int  # hidden values a token stores (aux + final)
+    row: int  # bytes a token takes in a shard (eyas.features.token_bytes)
 
 
 def prepare(spec: Spec, settings: Settings) -> Job:
     tokenizer = load_tokenizer(spec.target)
-    layout = target_layout(spec.target, tokenizer, spec.aux_layers)
+    layout = target_layout(spec.target, tokenizer, spec.aux_layers, spec.features_dtype)
     records, source = read_conversations(spec.data, settings, expect_tokenizer_hash=layout.tokenizer_hash)
     template_kwargs = source.dataset.chat_template_kwargs if source.dataset else {}
-    width = (len(layout.aux_layers) + 1) * layout.hidden_size
+    row = layout_token_bytes(layout)
     plan = make_plan(records, tokenizer, template_kwargs, max_length=spec.max_length, overlong=spec.overlong,
-                     batch_tokens=spec.batch_tokens, width=width, shard_max_bytes=spec.shard_mb << 20)
-    return Job(layout, plan, source, template_kwargs, width)
+                     batch_tokens=spec.batch_tokens, row=row, shard_max_bytes=spec.shard_mb << 20)
+    return Job(layout, plan, source, template_kwargs, row)
 
 
 def processes(spec: Spec, place: Placement) -> int:
@@ -188,8 +189,8 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
     if engine_for(spec, ctx.settings) == "vllm":
         try:
             config = engine_config(spec, place, job, ctx.settings)
-            files, engine_log = extract_with_vllm(config, ctx.output.uri, job.plan.shards, items, progress, uploaded,
-                                                  ctx.check, ctx.settings.workdir / "logs")
+            files, engine_log = extract_with_vllm(config, ctx.output.uri, job.layout.dtype, job.plan.shards, items,
+                                                  progress, uploaded, ctx.check, ctx.settings.workdir / "logs")
             writer.files.update(files)
             bar.close()
             return {"engine": "vllm", "device": place.device.type, "tensor_parallel_size": config.tensor_parallel_size,
@@ -199,7 +200,8 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
                 raise
             log.warning("extracting with transformers: %s", e)
     target = load_target(spec.target, place)
-    write_shards(hooked(target, job.layout, ctx.check), job.plan.shards, items, writer, progress, uploaded)
+    write_shards(hooked(target, job.layout, ctx.check), job.plan.shards, items, writer, progress, uploaded,
+                 job.layout.dtype)
     bar.close()
     return {"engine": "transformers", "device": str(target.input_device), "processes": 1}
 
@@ -215,7 +217,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     writer.put_bytes(INDEX, plan_index(plan).to_bytes())  # what a trainer plans from
     stream = None
     if spec.stream is not None:
-        stream = stream_plan(spec.stream, plan, layout.to_dict(), job.width, job.template_kwargs)
+        stream = stream_plan(spec.stream, plan, layout.to_dict(), job.row, job.template_kwargs)
         announce(stream, writer)
         ctx.hand_off()  # a train job in `then` may start on the shards as they land
     total = plan.counts["tokens"] * (stream.epochs if stream else 1)
@@ -269,7 +271,7 @@ def assist(spec: Spec, ctx: StageContext, claims: Work) -> None:
         return
     place = placement(ctx.settings, spec.dtype)
     job = prepare(spec, ctx.settings)
-    if stream_plan(spec.stream, job.plan, job.layout.to_dict(), job.width, job.template_kwargs) != stream:
+    if stream_plan(spec.stream, job.plan, job.layout.to_dict(), job.row, job.template_kwargs) != stream:
         raise RuntimeError(f"{ctx.output.uri}: this worker plans another stream than the job announced (its code "
                            "or data differ)")
     _extract_here(spec, place, job, ctx, stream, ArtifactWriter(ctx.output), claims,

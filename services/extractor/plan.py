@@ -88,9 +88,9 @@ def batches(items: list[Item], batch_tokens: int) -> list[Batch]:
     return out
 
 
-def shards(planned: list[Batch], width: int, max_bytes: int) -> list[list[Batch]]:
-    """Consecutive batches per shard, each shard file at most `max_bytes` (`width` hidden values per token: aux +
-    final): a shard closes before the sample that would pass it, splitting a forward batch there into two (each
+def shards(planned: list[Batch], row: int, max_bytes: int) -> list[list[Batch]]:
+    """Consecutive batches per shard, each shard file at most `max_bytes` (`row` bytes per token, aux + final
+    states, id and mask: eyas.features.token_bytes): a shard closes before the sample that would pass it, splitting a forward batch there into two (each
     part still longest first); a sample bigger than `max_bytes` on its own gets a shard of its own, with a warning."""
     out: list[list[Batch]] = []
     tokens = samples = 0  # in the open shard, out[-1]
@@ -98,14 +98,14 @@ def shards(planned: list[Batch], width: int, max_bytes: int) -> list[list[Batch]
         part: Batch = []
         for item in batch:
             n = len(item.input_ids)
-            if not out or (samples and shard_file_bytes(tokens + n, samples + 1, width) > max_bytes):
+            if not out or (samples and shard_file_bytes(tokens + n, samples + 1, row) > max_bytes):
                 if part:
                     out[-1].append(part)
                 out.append([])
                 part, tokens, samples = [], 0, 0
-            if shard_file_bytes(n, 1, width) > max_bytes:
+            if shard_file_bytes(n, 1, row) > max_bytes:
                 log.warning("sample %s takes %.2f MiB of features, more than shard_mb (%.2f MiB): a shard of its own",
-                            item.id, shard_file_bytes(n, 1, width) / (1 << 20), max_bytes / (1 << 20))
+                            item.id, shard_file_bytes(n, 1, row) / (1 << 20), max_bytes / (1 << 20))
             part.append(item)
             tokens, samples = tokens + n, samples + 1
         if part:
@@ -114,9 +114,9 @@ def shards(planned: list[Batch], width: int, max_bytes: int) -> list[list[Batch]
 
 
 def make_plan(records: list[dict], tokenizer, template_kwargs: dict, *, max_length: int, overlong: str,
-              batch_tokens: int, width: int, shard_max_bytes: int) -> Plan:
+              batch_tokens: int, row: int, shard_max_bytes: int) -> Plan:
     items, counts = render_items(records, tokenizer, template_kwargs, max_length, overlong)
-    planned = shards(batches(items, batch_tokens), width, shard_max_bytes)
+    planned = shards(batches(items, batch_tokens), row, shard_max_bytes)
     counts.update(samples=len(items), tokens=sum(len(i.input_ids) for i in items),
                   supervised_tokens=sum(sum(i.loss_mask) for i in items), shards=len(planned))
     return Plan(shards=planned, counts=counts)

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
     write_shards(hooked(target, job.layout), job.plan.shards, items, writer,
-                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded)
+                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded, job.layout.dtype)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 
 

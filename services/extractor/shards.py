@@ -12,7 +12,7 @@ import torch
 
 from eyas.capture import capture
 from eyas.features import Sample, ShardBuffer
-from eyas.layout import Layout
+from eyas.layout import BF16, Layout
 from eyas.manifest import ArtifactWriter, FileEntry
 from eyas.target import Target
 from services.extractor.offload import Background, Ready, to_host
@@ -70,13 +70,14 @@ def hooked(target: Target, layout: Layout, check: Callable[[], None] | None = No
 
 
 def write_shards(capture_batch: Capture, shards: Shards, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
-                 progress: Callable[[int], None], uploaded: Uploaded | None = None) -> None:
+                 progress: Callable[[int], None], uploaded: Uploaded | None = None, dtype: str = BF16) -> None:
     """Extract the planned shards named in `work` ((index into `shards`, object name) pairs, taken lazily: a
-    producer may wait before yielding the next) into `writer`'s artifact with `capture_batch`;
+    producer may wait before yielding the next) into `writer`'s artifact with `capture_batch`, their states
+    stored in `dtype` (the layout's);
     `progress(tokens)` after each batch's forward, `uploaded(obj, entry)` after each shard's upload."""
     with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp, Background() as background:
         for index, obj in work:
-            buf = ShardBuffer()
+            buf = ShardBuffer(dtype=dtype)
             for batch in shards[index]:
                 aux, final = capture_batch(batch)
                 background.submit(partial(_add, buf, batch, to_host(aux, final)))

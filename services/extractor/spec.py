@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.defaults import BUNDLED, DTypeName
+from eyas.layout import BF16, FP8
 from eyas.stage import StageSpec, integral_floats
 
 
@@ -46,7 +47,10 @@ class Spec(StageSpec):
                           "before the sample that would pass it; a sample bigger than this gets a shard of its own): "
                           "the unit a trainer's cache holds and a stream hands off")
     dtype: DTypeName = Field("auto", description="target compute dtype; auto: EYAS_DTYPE (bf16 on a GPU, fp32 on the "
-                             "CPU). Features are stored in bf16 either way")
+                             "CPU). How features are stored is features_dtype")
+    features_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(
+        BF16, description=f"how shards store the aux and final states (the layout's dtype): {BF16}, or {FP8} "
+        "(e4m3 with a float32 scale per token and per state: about half the bytes; every reader dequantizes)")
     engine: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="what runs the target: vllm (the serving engine, its extract_hidden_states method, "
         "tensor parallel over the node's GPUs) or transformers (forward hooks, torchrun processes); auto: the "

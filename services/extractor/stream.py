@@ -33,10 +33,10 @@ from services.extractor.plan import Plan
 from services.extractor.spec import StreamSpec
 
 
-def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, width: int, chat_template_kwargs: dict) -> StreamPlan:
+def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, row: int, chat_template_kwargs: dict) -> StreamPlan:
     shards = [ShardPlan(name=shard_name(i), samples=sum(len(b) for b in batches),
                         bytes=shard_file_bytes(sum(len(item.input_ids) for b in batches for item in b),
-                                               sum(len(b) for b in batches), width))
+                                               sum(len(b) for b in batches), row))
               for i, batches in enumerate(plan.shards)]
     window = int(spec.max_store_gb * (1 << 30)) // 2
     largest = max((s.bytes for s in shards), default=0)

@@ -97,13 +97,14 @@ class Engine:
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
 
-    def extract(self, output_uri: str, shards, work: Iterable[tuple[int, str]], progress: Callable[[int], None],
-                uploaded: Uploaded | None, check: Callable[[], None]) -> dict[str, FileEntry]:
+    def extract(self, output_uri: str, dtype: str, shards, work: Iterable[tuple[int, str]],
+                progress: Callable[[int], None], uploaded: Uploaded | None,
+                check: Callable[[], None]) -> dict[str, FileEntry]:
         """Extract the shards `work` names (taken lazily, one ahead of the engine) into the artifact at
-        `output_uri`; the entries of the shards uploaded."""
+        `output_uri`, their states stored in `dtype` (the layout's); the entries of the shards uploaded."""
         items = iter(work)
         files: dict[str, FileEntry] = {}
-        self._send({"output": output_uri})
+        self._send({"output": output_uri, "dtype": dtype})
 
         def send_next() -> None:
             item = next(items, None)
@@ -145,11 +146,11 @@ _engine: Engine | None = None
 _lock = threading.Lock()
 
 
-def extract_with_vllm(config: EngineConfig, output_uri: str, shards, work: Iterable[tuple[int, str]],
+def extract_with_vllm(config: EngineConfig, output_uri: str, dtype: str, shards, work: Iterable[tuple[int, str]],
                       progress: Callable[[int], None], uploaded: Uploaded | None,
                       check: Callable[[], None], log_dir: Path) -> tuple[dict[str, FileEntry], Path]:
     """Run the job's shards on this process's engine (started, or restarted for another config, as needed, its log
-    in `log_dir`): the shards' entries, and the engine's log file. A job that fails or is cancelled mid-way stops
+    in `log_dir`), their states stored in `dtype`: the shards' entries, and the engine's log file. A job that fails or is cancelled mid-way stops
     the engine: the next job starts a fresh one."""
     global _engine
     with _lock:
@@ -159,7 +160,7 @@ def extract_with_vllm(config: EngineConfig, output_uri: str, shards, work: Itera
         if _engine is None:
             _engine = Engine(config, check, log_dir)
         try:
-            return _engine.extract(output_uri, shards, work, progress, uploaded, check), _engine.log_path
+            return _engine.extract(output_uri, dtype, shards, work, progress, uploaded, check), _engine.log_path
         except BaseException:
             _engine.close()
             _engine = None

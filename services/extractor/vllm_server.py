@@ -162,14 +162,15 @@ def serve(capture: VllmCapture) -> None:
     lines = iter(sys.stdin)
     say(READY)
     for line in lines:
-        output = open_artifact(json.loads(line)["output"], settings)
+        job = json.loads(line)
+        output = open_artifact(job["output"], settings)
         planned: dict[int, list[Batch]] = {}
 
         def uploaded(obj: str, entry: FileEntry) -> None:
             say(UPLOADED, json.dumps({"obj": obj, "entry": entry.model_dump()}))
 
         write_shards(capture, planned, shards_from(lines, planned), ArtifactWriter(output),
-                     lambda tokens: say(PROGRESS, str(tokens)), uploaded)
+                     lambda tokens: say(PROGRESS, str(tokens)), uploaded, job["dtype"])
         say(DONE)
 
 

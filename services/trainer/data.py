@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.batching import cut_batches
-from eyas.features import Sample, is_validation, shard_bytes
+from eyas.features import Sample, is_validation, shard_bytes, token_bytes
 from eyas.streaming import FeatureStream
 
 GROUP = 64  # samples sorted by length together before batches are cut
@@ -73,7 +73,7 @@ class TrainData:
             if self.stream.shard_of(index) not in window:
                 continue
             s = self.stream.sample(index)
-            size = shard_bytes(s.input_ids.numel(), s.aux_hidden.shape[-1] + s.final_hidden.shape[-1])
+            size = shard_bytes(s.input_ids.numel(), token_bytes(s.aux_hidden.shape[-1] + s.final_hidden.shape[-1]))
             if used + size > budget:
                 break
             val.append(Sample(*(t.clone() for t in (s.input_ids, s.loss_mask, s.aux_hidden, s.final_hidden))))
