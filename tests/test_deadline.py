@@ -176,6 +176,14 @@ def test_synthesizing_generation_answers_each_batch_before_drawing_the_next(runn
     assert counts["synth_rounds"] >= 2
 
 
+def test_synthesis_that_keeps_no_prompt_before_its_deadline_fails_saying_so(runner):
+    with pytest.raises(RuntimeError, match="no prompt was synthesized before the deadline"):
+        runner.run_job("generate", {"synthesize": 4, "held_out": None, "concurrency": 2,
+                                    "sampling": {"max_tokens": 8}, "finish_by": time.time()})
+    assert any("no prompt was synthesized before the deadline" in (j.error or "")
+               for j in runner.jobs.list(stage="generate", state="failed"))  # the record says why
+
+
 @pytest.fixture(scope="module")
 def features(runner, tmp_path_factory) -> str:
     conversations = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"{q} (#{i})"},

@@ -158,6 +158,9 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     unreached = len(prompts) - len(records) - len(failures)
     if unreached and not stats["stopped_at_deadline"]:
         raise RuntimeError(f"{unreached} prompts were neither generated nor dead-lettered")
+    if not prompts:  # synthesis kept none before its deadline: say so, not a missing prompt file further down
+        raise RuntimeError(f"no prompt was synthesized before the deadline ({elapsed:.0f} s, {stats}): give the job "
+                           "more time (eyas run --minutes) or a prompt file")
     writer = ArtifactWriter(ctx.output)
     writer.put_bytes(PROMPTS_FILE, ctx.output.get_bytes(PROMPTS_FILE))  # same bytes; now hashed in the manifest
     with tempfile.TemporaryDirectory(prefix="eyas-gen-") as tmp:
