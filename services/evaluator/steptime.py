@@ -22,12 +22,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import torch
 
 from eyas.dflash import DFlashDrafter
 from eyas.drafter import Drafter, TTTCache
+from eyas.methods import method_of_drafter
 from eyas.target import Target
 from services.evaluator.live import _headers, served_model
 
@@ -186,13 +188,13 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
 
 
 @torch.inference_mode()
-def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...] = BATCHES,
+def drafter_step_times(drafter: Any, batches: tuple[int, ...] = BATCHES,
                        context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
     """(b, READINGS readings, fastest first, of one draft step at batch b): a token per sequence, attending to
-    `context` step-0 keys, to the draft token id (specdec._draft's loop body, batched). DFlash drafts a block per
-    forward: its points are (b · (block − 1) tokens drafted, readings of one block forward at batch b). `check()` (a
-    cancel) before each point."""
-    if isinstance(drafter, DFlashDrafter):
+    `context` step-0 keys, to the draft token id (eyas.drafter.chain_drafts's loop body, batched). A method that
+    drafts a fixed block per forward (DFlash): its points are (b · (block − 1) tokens drafted, readings of one block
+    forward at batch b). `check()` (a cancel) before each point."""
+    if method_of_drafter(drafter).fixed_block:
         return _block_step_times(drafter, batches, check)
     on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
     out = []
