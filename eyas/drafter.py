@@ -19,6 +19,7 @@ index (the training-time-test structure of docs/eagle3.md §4.3, which is also w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,3 +332,23 @@ def chain_drafts(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
         tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
         out.append(int(tok))
     return out, past
+
+
+def chain_step(drafter: Drafter, batch: int, context: int) -> Callable[[], None]:
+    """One chain step after step 0 at `batch` sequences ([b, 1] token, [b, 1, H] state, [b, 1] position), attending
+    to `context` step-0 keys, to the draft token id (chain_drafts's loop body, batched): a call that runs it, leaving
+    the cache as it found it."""
+    on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
+    cache = TTTCache()
+    pos = torch.arange(context, device=on)[None].expand(batch, -1)  # [b, context]
+    ids = torch.randint(drafter.cfg.vocab_size, (batch, context), device=on)
+    state = torch.randn(batch, context, h, device=on, dtype=drafter.fc.weight.dtype)
+    hidden = drafter.step(ids, state, pos, cache)
+    tok, last, at = ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1
+
+    def step() -> None:
+        nxt = drafter.step(tok, last, at, cache)
+        drafter.to_target_ids(drafter.logits(nxt).argmax(-1))
+        del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
+
+    return step

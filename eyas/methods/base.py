@@ -7,6 +7,7 @@ network's modules inside the methods that need them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -91,6 +92,11 @@ class DraftingMethod:
                     prompt_len: int, k_max: int) -> list[int]:
         """a(s), the drafts accepted from every round start s of the output ids[0, prompt_len:], from the target
         pass's aux states and greedy preds (services.evaluator.chains.target_pass)."""
+        raise NotImplementedError
+
+    def draft_step(self, drafter: Any, batch: int, context: int) -> tuple[int, Callable[[], None]]:
+        """One draft step at `batch` sequences after `context` tokens, ready to time (services.evaluator.steptime):
+        the tokens it drafts and a call that runs it, the same each time."""
         raise NotImplementedError
 
     def context_states(self, drafter: Any, aux: torch.Tensor) -> torch.Tensor:

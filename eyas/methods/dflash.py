@@ -2,6 +2,7 @@
 on the features' target layers (eyas.dflash); exported as vLLM's DFlashDraftModel, served with method "dflash"."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,13 @@ class DFlash(DraftingMethod):
         from eyas.dflash import block_runs
 
         return block_runs(drafter, ids, aux, preds, prompt_len)
+
+    def draft_step(self, drafter: DFlashDrafter, batch: int, context: int) -> tuple[int, Callable[[], None]]:
+        """A round at `batch`: a block's worth of new context states (the engine caches the older ones) and the block
+        of [bonus token, masks], to the draft token ids; its block − 1 drafts a sequence."""
+        from eyas.dflash import block_step
+
+        return batch * (drafter.cfg.block_size - 1), block_step(drafter, batch)
 
     def context_states(self, drafter: DFlashDrafter, aux: torch.Tensor) -> torch.Tensor:
         return aux  # it drafts from the aux states themselves

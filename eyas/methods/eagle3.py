@@ -2,6 +2,7 @@
 EAGLE/SpecForge layout and the speculators format (eyas.exports); vLLM serves it with method "eagle3", SGLang too."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,11 @@ class Eagle3(DraftingMethod):
         from eyas.drafter import chain_runs
 
         return chain_runs(drafter, ids, aux, preds, prompt_len, k_max)
+
+    def draft_step(self, drafter: Drafter, batch: int, context: int) -> tuple[int, Callable[[], None]]:
+        from eyas.drafter import chain_step
+
+        return batch, chain_step(drafter, batch, context)  # a token per sequence
 
     def context_states(self, drafter: Drafter, aux: torch.Tensor) -> torch.Tensor:
         return drafter.project(aux)  # fc(g)
