@@ -7,6 +7,7 @@ network's modules inside the methods that need them.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,9 +20,9 @@ if TYPE_CHECKING:
     from eyas.ttt import TTTResult
 
 
-class DraftingMethod:
-    """One drafting method. A subclass states its facts (the class attributes) and does its own work; register
-    it in eyas.methods.METHODS."""
+class DraftingMethod(ABC):
+    """One drafting method. A subclass states its facts (the class attributes) and does its own work (the abstract
+    methods: a method that leaves one out cannot be registered); register it in eyas.methods.METHODS."""
 
     name: ClassVar[str]  # the spec's and the manifest's `method`
     title: ClassVar[str]  # as the docs and messages name it
@@ -54,33 +55,33 @@ class DraftingMethod:
 
     # ---------------------------------------------------------------------------------------------------- serving
 
+    @abstractmethod
     def speculative_config(self, model: str, k: int) -> dict[str, Any]:
         """The `--speculative-config` vLLM serves it with (model: where the server reads the served export)."""
-        raise NotImplementedError
 
     # --------------------------------------------------------------------------------------------------- training
 
+    @abstractmethod
     def build(self, spec: Any, target: str, layout: Layout, embed: torch.Tensor, head: torch.Tensor,
               used: torch.Tensor | None) -> Any:
         """A fresh drafter for the train spec `spec` (services.trainer.spec.Spec): the target's embedding `embed`
         and lm_head `head`; `used`, the draft vocabulary's ids (when `draft_vocab`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def objective(self, drafter: Any, batch: Batch, target_lm_head: torch.Tensor, steps: int, decay: float,
                   recompute: bool, generator: torch.Generator | None) -> TTTResult:
         """Its loss terms and per-position accuracy counts on a batch (eyas.objective.objective)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export(self, spec: Any, target: str, layout: Layout, weights: dict[str, torch.Tensor], head: torch.Tensor,
                out: Path, verifier: dict[str, Any]) -> tuple[list[Path], dict[str, str]]:
         """Write its exports of the trained `weights` (the target's embedding included) under `out`; returns the
         files written (relative to `out`) and the engines that cannot serve them, with why."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load(self, path: Path, config: dict[str, Any], embed_weight: torch.Tensor, dtype: torch.dtype,
              overrides: dict[str, Any] | None, missing_vocab_map: bool, lm_head_weight: torch.Tensor | None) -> Any:
         """One of its exports (config.json `config`) → its drafter, eval mode (eyas.exports.load_drafter)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------- evaluation
 
@@ -88,24 +89,24 @@ class DraftingMethod:
         """The K a replay of its runs measures: every K ≤ k_max (draft i does not depend on K)."""
         return list(range(1, k_max + 1))
 
+    @abstractmethod
     def replay_runs(self, drafter: Any, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor,
                     prompt_len: int, k_max: int) -> list[int]:
         """a(s), the drafts accepted from every round start s of the output ids[0, prompt_len:], from the target
         pass's aux states and greedy preds (services.evaluator.chains.target_pass)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def draft_step(self, drafter: Any, batch: int, context: int) -> tuple[int, Callable[[], None]]:
         """One draft step at `batch` sequences after `context` tokens, ready to time (services.evaluator.steptime):
         the tokens it drafts and a call that runs it, the same each time."""
-        raise NotImplementedError
 
+    @abstractmethod
     def context_states(self, drafter: Any, aux: torch.Tensor) -> torch.Tensor:
         """What in-process decoding keeps of the target's aux states [1, n, n_aux·H_t], per row."""
-        raise NotImplementedError
 
+    @abstractmethod
     def propose(self, drafter: Any, states: torch.Tensor, context: list[int], k: int,
                 past: Any) -> tuple[list[int], Any]:
         """K greedy drafts after `context` in in-process decoding (services.evaluator.specdec), from the kept
         states of rows 0..n-2; `past`, what an earlier call kept (None at first). Returns the drafts and the new
         `past`."""
-        raise NotImplementedError
