@@ -96,9 +96,10 @@ def score_80(drafters: list[str], k: int = 3) -> list[float]:
     evaluator's own functions and defaults: the target's greedy outputs are computed once (they are the same for
     every drafter), then each drafter's run lengths over them."""
     sys.path.insert(0, str(ROOT))
-    from eyas.exports import SERVED_DIRS, load_drafter
+    from eyas.exports import load_drafter
     from eyas.layout import Layout
     from eyas.manifest import read_manifest
+    from eyas.methods import method_of
     from eyas.store import open_artifact
     from eyas.target import BUNDLED, load_target
     from services.evaluator.chains import drafted_ks, replay, run_lengths
@@ -114,7 +115,7 @@ def score_80(drafters: list[str], k: int = 3) -> list[float]:
     for path in drafters:
         manifest = read_manifest(open_artifact(path), kind="drafter")
         layout = Layout.from_dict(manifest.layout)
-        drafter, _ = load_drafter(Path(path) / SERVED_DIRS[manifest.drafter.method],
+        drafter, _ = load_drafter(Path(path) / method_of(manifest).served_dir,
                                   model.get_input_embeddings().weight.detach(),
                                   lm_head_weight=model.get_output_embeddings().weight.detach())
         runs = [run_lengths(target, drafter, layout.aux_layers, p.ids, out, k) for p, out in zip(prompts, outputs,

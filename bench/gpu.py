@@ -24,7 +24,7 @@ The line (stdout; progress goes to stderr):
             environment, {"error": …} (vLLM's log on stderr) where it failed
   draft_step  seconds to draft K = 1 … 7 tokens for a batch of sequences after a cached context, per method, with
             random weights at the target's shapes: eagle3 K chained drafter steps; peagle one causal forward over
-            K slots (vLLM's parallel drafting); dflash one forward of a block of K + 1 (DFLASH_LAYERS layers, over
+            K slots (vLLM's parallel drafting); dflash one forward of a block of K + 1 (DFlash.layers layers, over
             the block's worth of new context states the engine adds per round): the parallel drafters' cost should
             stay flat in K while the chain's grows
   peak_memory_gib   the device's peak allocated memory (the process's peak RSS on a CPU), this process only
@@ -52,12 +52,13 @@ from eyas.dflash import DFlashConfig, DFlashDrafter
 from eyas.drafter import Drafter, DrafterConfig, TTTCache
 from eyas.features import Sample
 from eyas.layout import Layout, default_aux_layers
+from eyas.methods.dflash import DFlash
 from eyas.settings import get_settings
 from eyas.target import Target
 from services.evaluator.specdec import PromptIds, measure_acceptance
 from services.extractor.offload import Background, Ready, to_host
 from services.trainer.data import epoch_plan
-from services.trainer.train import BETAS, DFLASH_LAYERS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
+from services.trainer.train import BETAS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
 from services.trainer.vocab import select_vocab, token_counts
 
 LLAMA_31_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -235,7 +236,7 @@ def draft_steps(config, device: torch.device, dtype: torch.dtype, batch: int, co
         out[method] = [_best_of_timed(run, k, device) for k in ks]
     dflash = []
     for k in ks:
-        cfg = DFlashConfig.from_target(config, DFLASH_LAYERS, k + 1, default_aux_layers(config.num_hidden_layers),
+        cfg = DFlashConfig.from_target(config, DFlash.layers, k + 1, default_aux_layers(config.num_hidden_layers),
                                        mask_token_id=vocab - 1)
         torch.manual_seed(0)
         drafter = DFlashDrafter(cfg)

@@ -33,6 +33,7 @@ from eyas.capture import capture
 from eyas.device import placement
 from eyas.drafter import Drafter, TTTCache
 from eyas.features import FeatureReader, Sample
+from eyas.methods.eagle3 import build_drafter, drafter_config
 from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.render import render_conversation
 from eyas.settings import get_settings
@@ -41,14 +42,7 @@ from eyas.target import BUNDLED, load_target, load_target_head
 from eyas.ttt import ttt_forward
 from services.extractor.core import layout_for
 from services.trainer.data import epoch_plan
-from services.trainer.train import (
-    BETAS,
-    LOSS_DECAY,
-    MAX_GRAD_NORM,
-    TargetTopCache,
-    build_drafter,
-    drafter_config,
-)
+from services.trainer.train import BETAS, LOSS_DECAY, MAX_GRAD_NORM, TargetTopCache
 from services.trainer.vocab import select_vocab, token_counts
 
 

@@ -26,6 +26,7 @@ distinct k_norm weights is therefore served wrongly on CPU (GPU kernels index by
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,7 +295,7 @@ def block_drafts(drafter: DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, s
 @torch.inference_mode()
 def block_runs(drafter: DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor,
                prompt_len: int, k_max: int | None = None) -> list[int]:
-    """a(s) for every round start s of the output ids[0, prompt_len:] (services/evaluator/chains.drafter_runs's
+    """a(s) for every round start s of the output ids[0, prompt_len:] (eyas.drafter.chain_runs's
     analog, same arguments from chains.target_pass): the round with context prompt + output[:s] has its bonus
     token output[s-1] at position a = P+s-1 and context positions 0..P+s-2; its draft i (1..K) is checked against
     preds[P+s-2+i]. Returns O entries (s = 0..O-1; chains.chain_acceptance starts at s = 1). All K drafts come
@@ -307,6 +308,21 @@ def block_runs(drafter: DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, pre
     want = torch.stack([preds[starts - 1 + i] for i in range(1, k + 1)], dim=1)  # [O, K]
     alive = (drafts == want).long().cumprod(dim=1)
     return alive.sum(dim=1).tolist()
+
+
+def block_step(drafter: DFlashDrafter, batch: int) -> Callable[[], None]:
+    """One round at `batch` sequences: a block's worth of new context states (the engine caches the older ones)
+    and the block of [bonus token, masks], to the draft token ids; a call that runs it."""
+    cfg = drafter.cfg
+    on, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    aux = torch.randn(batch, cfg.block_size, cfg.num_aux * cfg.target_hidden_size, device=on, dtype=dtype)
+    anchors = torch.full((batch, 1), cfg.block_size, device=on)
+    tokens = torch.randint(cfg.vocab_size, (batch, 1), device=on)
+
+    def step() -> None:
+        drafter.logits(drafter.blocks(aux, anchors, tokens)[:, :, 1:]).argmax(-1)
+
+    return step
 
 
 # ------------------------------------------------------------------------------------------------------------ export

@@ -19,6 +19,7 @@ index (the training-time-test structure of docs/eagle3.md §4.3, which is also w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,3 +284,71 @@ class Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything the checkpoint carries: all weights but the frozen embedding, plus d2t/t2d."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+# -------------------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.inference_mode()
+def chain_runs(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor, prompt_len: int,
+               k_max: int) -> list[int]:
+    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds
+    (services.evaluator.chains.target_pass): the chain of k_max drafts from each round start, all rows at once."""
+    on = drafter.fc.weight.device
+    ids, aux, preds = ids.to(on), aux.to(on, drafter.fc.weight.dtype), preds.to(on)
+    rows = ids.shape[1] - 1
+    pos = torch.arange(rows, device=on)[None]  # [1, T]
+    cache = TTTCache()
+    hidden = drafter.step(ids[:, 1:], drafter.project(aux[:, :rows]), pos, cache)  # [1, T, H]
+    run = torch.zeros(rows, dtype=torch.long, device=on)  # accepted so far per row
+    alive = torch.ones(rows, dtype=torch.bool, device=on)  # every draft so far accepted
+    for j in range(k_max):
+        if j:  # row t feeds preds[t+j]: the token draft j proposed, while every earlier draft was accepted
+            hidden = drafter.step(*drafter.feed(preds[j: j + rows][None], hidden), pos + j, cache)
+        draft = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))[0]  # [T]: row t's draft j+1
+        alive &= draft == preds[1 + j: 1 + j + rows]
+        run += alive.long()
+    # round start s (context prompt + output[:s]) is the row ending at its last token: t = P + s - 2
+    return run[prompt_len - 2: rows - 1].tolist()  # O entries
+
+
+def chain_drafts(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
+                 past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
+    """K greedy draft tokens (target ids) after `context`; h0 = fc(g) for rows 0..n-2 [1, n-1, H]. `past` holds
+    the step-0 keys/values of the rows an earlier draft processed (every row stays valid: each pairs a context
+    token with the target's own state), so only the new rows run; returns the drafts and the extended `past`."""
+    n = len(context)
+    done = 0 if past is None else past[0].shape[2]
+    on = h0.device  # the drafter's, which is the target's input device
+    ids = torch.tensor([context[1 + done:]], device=on)  # x_{t+1} beside g_t, for the rows not processed yet
+    pos = torch.arange(done, n - 1, device=on)[None]
+    cache = TTTCache(past)
+    hidden = drafter.step(ids, h0[:, done:], pos, cache)[:, -1:]  # pre-norm state of the last row
+    past = (cache.keys[0], cache.values[0])
+    tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))  # [1, 1]
+    out = [int(tok)]
+    for j in range(1, k):
+        hidden = drafter.step(*drafter.feed(tok, hidden), pos[:, -1:] + j, cache)
+        tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
+        out.append(int(tok))
+    return out, past
+
+
+def chain_step(drafter: Drafter, batch: int, context: int) -> Callable[[], None]:
+    """One chain step after step 0 at `batch` sequences ([b, 1] token, [b, 1, H] state, [b, 1] position), attending
+    to `context` step-0 keys, to the draft token id (chain_drafts's loop body, batched): a call that runs it, leaving
+    the cache as it found it."""
+    on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
+    cache = TTTCache()
+    pos = torch.arange(context, device=on)[None].expand(batch, -1)  # [b, context]
+    ids = torch.randint(drafter.cfg.vocab_size, (batch, context), device=on)
+    state = torch.randn(batch, context, h, device=on, dtype=drafter.fc.weight.dtype)
+    hidden = drafter.step(ids, state, pos, cache)
+    tok, last, at = ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1
+
+    def step() -> None:
+        nxt = drafter.step(tok, last, at, cache)
+        drafter.to_target_ids(drafter.logits(nxt).argmax(-1))
+        del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
+
+    return step

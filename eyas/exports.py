@@ -30,15 +30,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eyas.dflash import DFlashDrafter, load_dflash
 from eyas.drafter import NORM_FLAGS, Drafter, DrafterConfig
 from eyas.layout import Layout, LayoutMismatch, check_serving
+from eyas.methods import method_of_export
+from eyas.methods.eagle3 import EAGLE_DIR, SPECULATORS_DIR, Eagle3
 from eyas.target import hub_id
 
-EAGLE_DIR, SPECULATORS_DIR, DFLASH_DIR = "eagle", "speculators", "dflash"
-EXPORT_DIRS = (EAGLE_DIR, SPECULATORS_DIR, DFLASH_DIR)
-# method → the export vLLM is given (DFlash's is its own model, eyas.dflash)
-SERVED_DIRS = {"eagle3": EAGLE_DIR, "peagle": EAGLE_DIR, "dflash": DFLASH_DIR}
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 HISTORY = "history.json"
 # Drafter module prefix → speculators tensor prefix (the one decoder layer); every other name is the same in the
@@ -64,14 +61,6 @@ def drafter_name(name: str) -> str:
         if name.startswith(theirs):
             return ours + name[len(theirs):]
     return name
-
-
-def drafting_method(config: dict[str, Any]) -> str:
-    """The method an export's config.json was trained for: dflash (DFlashDraftModel), peagle (an EAGLE-3 config
-    with a mask_token_id: vLLM must draft it in parallel) or eagle3."""
-    if "DFlashDraftModel" in (config.get("architectures") or []):
-        return "dflash"
-    return "peagle" if config.get("mask_token_id") is not None else "eagle3"
 
 
 def eagle_config(cfg: DrafterConfig, layout: Layout, dtype: str) -> dict[str, Any]:
@@ -148,19 +137,20 @@ def speculators_verifier(target: str, target_cfg: dict[str, Any], name: str | No
 
 
 def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict[str, Any],
-                       speculative_tokens: int) -> dict[str, Any]:
+                       speculative_tokens: int, method: Eagle3) -> dict[str, Any]:
+    """The speculators format's config.json for the EAGLE-layout one, as the speculators library names `method`
+    (eagle3, or peagle with its mask token)."""
     layer = {k: v for k, v in eagle_cfg.items() if k not in _EAGLE_ONLY}
     layer["architectures"] = ["LlamaForCausalLM"]
-    parallel = drafting_method(eagle_cfg) == "peagle"  # the speculators library's "peagle"
     cfg: dict[str, Any] = {
-        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
-        "speculators_model_type": "peagle" if parallel else "eagle3",
+        "architectures": [method.speculators_architecture],
+        "speculators_model_type": method.speculators_type,
         "transformer_layer_config": layer,
         "draft_vocab_size": eagle_cfg["draft_vocab_size"],
         "norm_before_residual": False,
         "target_hidden_size": eagle_cfg.get("target_hidden_size", eagle_cfg["hidden_size"]),
         "speculators_config": {
-            "algorithm": "peagle" if parallel else "eagle3",
+            "algorithm": method.speculators_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -170,7 +160,7 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
         "eyas_layout": layout.to_dict(),
         **{k: True for k in NORM_FLAGS if eagle_cfg.get(k)},
     }
-    if parallel:
+    if method.parallel:  # P-EAGLE's mask token
         cfg["mask_token_id"] = eagle_cfg["mask_token_id"]
     # vLLM reads these as input-to-layer ids (docs/eagle3.md §3.4); written even for the default layers, since the
     # speculators library otherwise resolves them from the verifier, which may name none
@@ -178,40 +168,41 @@ def speculators_config(eagle_cfg: dict[str, Any], layout: Layout, verifier: dict
     return cfg
 
 
-def unsupported_engines(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dict[str, Any]) -> dict[str, str]:
+def unsupported_engines(layout: Layout, eagle_cfg: dict[str, Any], spec_cfg: dict[str, Any],
+                        method: Eagle3) -> dict[str, str]:
     """Check that each engine would feed the drafter exactly the aux layers of `layout`. vLLM must (it loads both
-    exports; LayoutMismatch otherwise); an engine that cannot serve this layout is returned with its reason."""
+    exports; LayoutMismatch otherwise); an engine that cannot serve this layout is returned with its reason, else
+    one that cannot serve `method` at all, with the method's."""
     check_serving(layout, eagle_cfg, "vllm")
     check_serving(layout, spec_cfg, "vllm")  # vLLM copies the top-level ids of a speculators config
-    unsupported: dict[str, str] = {}
+    unsupported: dict[str, str] = dict(method.refused_engines)
     norms = [k for k in NORM_FLAGS if eagle_cfg.get(k)]
     try:
         check_serving(layout, eagle_cfg, "sglang")
         if norms:
             raise LayoutMismatch(f"its llama_eagle3 reads none of EAGLE 3.1's norms ({', '.join(norms)})")
-        if drafting_method(eagle_cfg) == "peagle":
-            raise LayoutMismatch("its EAGLE-3 worker drafts a chain and reads no mask_hidden: a P-EAGLE drafter "
-                                 "would see the drafts it was not trained on (vLLM serves it with parallel_drafting)")
     except LayoutMismatch as e:
         unsupported["sglang"] = str(e)
     return unsupported
 
 
 def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout: Layout, out: Path, dtype: str,
-                   verifier: dict[str, Any], speculative_tokens: int) -> tuple[list[Path], dict[str, str]]:
-    """Write eagle/ and speculators/ for a drafter (its config and state dict, embed_tokens.weight included: the
-    target's embedding) under `out`; `verifier` is the speculators config's verifier block. Returns the files
+                   verifier: dict[str, Any], speculative_tokens: int,
+                   method: Eagle3) -> tuple[list[Path], dict[str, str]]:
+    """Write eagle/ and speculators/ for a drafter of `method` (EAGLE-3 or P-EAGLE: its config and state dict,
+    embed_tokens.weight included: the target's embedding) under `out`; `verifier` is the speculators config's
+    verifier block. Returns the files
     written (relative to `out`) and the engines that cannot serve this layout, with why. Refuses (LayoutMismatch,
     nothing written) a layout vLLM would not feed exactly, and a drafter whose fc does not take the layout's
     aux layers."""
     if cfg.num_aux != len(layout.aux_layers):
         raise LayoutMismatch(f"the drafter concatenates {cfg.num_aux} aux layers, the layout {len(layout.aux_layers)}")
     eagle_cfg = eagle_config(cfg, layout, dtype)
-    spec_cfg = speculators_config(eagle_cfg, layout, verifier, speculative_tokens)
-    unsupported = unsupported_engines(layout, eagle_cfg, spec_cfg)
+    spec_cfg = speculators_config(eagle_cfg, layout, verifier, speculative_tokens, method)
+    unsupported = unsupported_engines(layout, eagle_cfg, spec_cfg, method)
     tensors = export_tensors(weights, getattr(torch, dtype))
     missing = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-               *([MASK_HIDDEN] if cfg.mask_token_id is not None else [])} - tensors.keys()
+               *([MASK_HIDDEN] if method.parallel else [])} - tensors.keys()
     if "embed_tokens.weight" not in weights:
         missing.add("embed_tokens.weight")
     if missing:
@@ -235,24 +226,29 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
 
 def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32,
                  overrides: dict[str, Any] | None = None, missing_vocab_map: bool = False,
-                 lm_head_weight: torch.Tensor | None = None) -> tuple[Drafter | DFlashDrafter, dict]:
-    """THE checkpoint loader: an export directory (config.json + model.safetensors, EAGLE layout or speculators
-    format) → (Drafter in eval mode, in `dtype`, on the device of `embed_weight`; its config.json).
+                 lm_head_weight: torch.Tensor | None = None) -> tuple[Any, dict]:
+    """THE checkpoint loader: an export directory (config.json + model.safetensors: the EAGLE layout or speculators
+    format, or another method's own) → (the drafter of the method its config names (eyas.methods.method_of_export),
+    in eval mode, in `dtype`, on the device of `embed_weight`; its config.json).
 
-    `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (docs/eagle3.md §2.1). The
-    number of aux layers is read from fc's width ([H, n_aux·H_t]), so a drafter trained on any count loads.
+    `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (docs/eagle3.md §2.1).
     `overrides` replace config fields (e.g. a norm flag the weights show but the config lacks); with
     `missing_vocab_map`, a checkpoint without d2t/t2d loads with the identity mapping an engine falls back to (the
-    diagnosis of such a drafter), where it is otherwise refused. A DFlash export (eyas.dflash) loads as a
-    DFlashDrafter, which drafts with the target's lm_head: `lm_head_weight` [V, H].
+    diagnosis of such a drafter), where it is otherwise refused. A method that drafts with the target's lm_head
+    (DFlash) needs `lm_head_weight` [V, H].
     """
+    cfg_json = json.loads((Path(path) / CONFIG).read_text())
+    drafter = method_of_export(cfg_json).load(path, cfg_json, embed_weight, dtype, overrides, missing_vocab_map,
+                                              lm_head_weight)
+    return drafter, cfg_json
+
+
+def load_eagle(path: Path, cfg_json: dict[str, Any], embed_weight: torch.Tensor, dtype: torch.dtype,
+               overrides: dict[str, Any] | None, missing_vocab_map: bool) -> Drafter:
+    """An EAGLE-3 or P-EAGLE export (config.json `cfg_json`) → Drafter (load_drafter's arguments). The number of
+    aux layers is read from fc's width ([H, n_aux·H_t]), so a drafter trained on any count loads."""
     from safetensors.torch import load_file
 
-    cfg_json = json.loads((Path(path) / CONFIG).read_text())
-    if drafting_method(cfg_json) == "dflash":
-        if lm_head_weight is None:
-            raise ValueError(f"{path}: a DFlash drafter drafts with the target's lm_head: give lm_head_weight")
-        return load_dflash(path, embed_weight, lm_head_weight, dtype), cfg_json
     flat = cfg_json.get("transformer_layer_config") or cfg_json  # speculators nests the layer config
     flat = {**flat, **{k: cfg_json[k] for k in ("draft_vocab_size", "target_hidden_size", "mask_token_id", *NORM_FLAGS)
                        if k in cfg_json},
@@ -276,4 +272,4 @@ def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = to
     if missing or unexpected:
         raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
     model.to(embed_weight.device, dtype)  # the drafter sits where the target's embedding is
-    return model.eval(), cfg_json
+    return model.eval()

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from eyas.confine import redact
+from eyas.methods import DEFAULT_METHOD
 from eyas.store import Artifact
 
 MANIFEST = "manifest.json"
@@ -51,7 +52,7 @@ class DrafterFacts(BaseModel):
     ttt_steps: int  # draft positions trained (the evaluator measures at least these)
     val_every: int  # sample i of the features is validation iff i % val_every == 0 (eyas.features.is_validation)
     draft_vocab_size: int
-    method: str = "eagle3"  # eagle3 (a chain), peagle or dflash (parallel drafting): how vLLM must be told to serve it
+    method: str = DEFAULT_METHOD  # its drafting method's name (eyas.methods): how it is loaded and served
     # the chat template's kwargs its data was rendered with: the evaluator renders prompts with them, and the
     # server must too (the report says so)
     chat_template_kwargs: dict[str, Any] = {}

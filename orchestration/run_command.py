@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from eyas.defaults import BUNDLED
+from eyas.methods import DEFAULT_METHOD, METHODS
 
 if TYPE_CHECKING:
     from eyas.settings import Settings
 
-METHODS = ("eagle3", "peagle", "dflash")  # the trainer's (services.trainer.spec.Spec.method)
 # cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
 # trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
 FeaturesPolicy = Literal["cache", "first_epoch", "recompute"]
@@ -59,12 +59,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-gb", type=_positive, default=None,
                    help="disk for the features in the store, GiB (default: half the free space of the workdir's "
                    "filesystem)")
-    p.add_argument("--method", choices=(*METHODS, "auto"), default="eagle3",
-                   help="the drafter: eagle3 (a chain, one drafter step per draft token), peagle (P-EAGLE: all draft "
-                   "tokens in one drafter forward; vLLM's parallel_drafting), dflash (a block drafted in one "
-                   "forward of a small decoder stack), or auto: all three on the same features, each with its share "
-                   "of the training and evaluation time, and the one predicted fastest at --concurrency named at the "
-                   "end (eagle3 only when the features are streamed: they feed one trainer) (default: %(default)s)")
+    p.add_argument("--method", choices=(*METHODS, "auto"), default=DEFAULT_METHOD,
+                   help="the drafter: " + "; ".join(f"{m.name} ({m.summary})" for m in METHODS.values())
+                   + "; or auto: all of them on the same features, each with its share of the training and "
+                   "evaluation time, and the one predicted fastest at --concurrency named at the end (%(default)s "
+                   "only when the features are streamed: they feed one trainer) (default: %(default)s)"),
     p.add_argument("--concurrency", type=int, default=1,
                    help="the serving concurrency --method auto chooses for (default: %(default)s)")
     p.add_argument("--live", choices=("auto", "on", "off"), default="auto",
@@ -241,9 +240,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     policy, why = features_policy(args.features_policy, planned_gb, cap_gb)
     print(f"features: {policy}: {why}")
     streamed = policy != "cache"
-    methods = (METHODS if not streamed else ("eagle3",)) if args.method == "auto" else (args.method,)
+    methods = (tuple(METHODS) if not streamed else (DEFAULT_METHOD,)) if args.method == "auto" else (args.method,)
     if args.method == "auto" and streamed:
-        print("--method auto: the features are streamed into one trainer: training eagle3 only")
+        print(f"--method auto: the features are streamed into one trainer: training {DEFAULT_METHOD} only")
     left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("extract", "train", "evaluate"),
                   overlap=streamed, eval_cap_s=eval_cap)
     _replanned("generate", generated, samples, machine, rates, left, replanned)
@@ -293,7 +292,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print()
     _summary(jobs, plan.seconds, replanned)
     for trained in drafters:  # handed over whatever the evaluation concluded
-        print(f"drafter exports, {trained.spec.get('method', 'eagle3')} (README: \"Serve the drafter\"):")
+        print(f"drafter exports, {trained.spec.get('method', DEFAULT_METHOD)} (README: \"Serve the drafter\"):")
         for name, uri in sorted(trained.artifacts.items()):
             if name != "output":
                 print(f"  {name}: {uri}")

@@ -40,8 +40,9 @@ def test_eyas_imports_without_the_service_stack():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    modules = [f for f in Path(eyas.__file__).parent.glob("*.py") if f.name != "__init__.py"]
-    assert int(out.stdout.strip()) == len(modules) > 10  # every module of the library was imported
+    root = Path(eyas.__file__).parent
+    modules = [f for f in root.glob("*.py") if f.name != "__init__.py"] + list(root.glob("*/__init__.py"))
+    assert int(out.stdout.strip()) == len(modules) > 10  # every module and subpackage of the library was imported
 
 
 def commands() -> list[list[str]]:

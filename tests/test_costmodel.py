@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from eyas.methods import get_method
 from services.evaluator import alternatives
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay
-from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend, speculative_config
+from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend
 from services.evaluator.launch import vllm
 from services.evaluator.serving import fastest, noise, noise_bounds, predict
 from services.evaluator.steptime import readings
@@ -22,6 +23,11 @@ from services.evaluator.steptime import readings
 ENGINE = StepTimes(target=[(1, 0.010), (32, 0.010), (64, 0.020), (128, 0.040)], drafter=[(1, 0.001), (64, 0.001)])
 GOOD = {1: 1.8, 2: 2.4, 3: 2.7}  # τ(K) of a drafter that accepts a lot
 BAD = {1: 1.02, 2: 1.03, 3: 1.03}
+
+
+def speculative_config(model: str, k: int, method: str = "eagle3") -> str:
+    """The --speculative-config value the evaluator reports for a drafter of `method` (its method's)."""
+    return json.dumps(get_method(method).speculative_config(model, k))
 
 
 def test_interpolate_is_piecewise_linear_and_extends_the_outer_segments():
@@ -161,7 +167,7 @@ def test_answers_that_end_at_once_leave_no_draft_and_the_decision_says_it_cannot
     everywhere; the prediction, the method comparison and the report's answer still come out, saying so."""
     per_k = replay([[7], [3], [0]], [1, 2, 3])
     assert all(a["drafts"] == 0 and a["acceptance_length"] is None for a in per_k.values())
-    rec = predict(ENGINE, (ENGINE, ENGINE), per_k, 3, "DIR/eagle", "eagle3", 3)
+    rec = predict(ENGINE, (ENGINE, ENGINE), per_k, 3, "DIR/eagle", get_method("eagle3"), 3)
     assert all(b["k"] is None and b["pays"] is None for b in rec["best"])
     assert rec["break_even_concurrency"] is None
     assert json.loads(rec["speculative_config"])["num_speculative_tokens"] == 3  # the evaluated K, to try it

@@ -16,13 +16,14 @@ from eyas.device import Placement, compute_device, compute_dtype, placement
 from eyas.drafter import Drafter
 from eyas.exports import export_drafter, load_drafter
 from eyas.manifest import read_manifest
+from eyas.methods import get_method
+from eyas.methods.eagle3 import drafter_config
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import device_map, load_target, weight_bytes
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.extractor.core import layout_for
-from services.trainer.train import drafter_config
 from tests.datasets import CONVERSATIONS, write_records
 from tests.families import FAMILIES, build_target
 from tests.test_evaluator import local_path as local
@@ -116,7 +117,7 @@ def test_speculative_decoding_with_target_and_drafter_on_another_device(tiny, tm
     drafter = Drafter(drafter_config(tiny, 64, layout))
     drafter.set_vocab(torch.arange(64))
     export_drafter(drafter.cfg, drafter.state_dict(), layout, tmp_path, "float32",
-                   {"name_or_path": tiny, "architectures": ["LlamaForCausalLM"]}, 3)
+                   {"name_or_path": tiny, "architectures": ["LlamaForCausalLM"]}, 3, get_method("eagle3"))
     prompts = eval_prompts(target.tokenizer, "bundled:mt_bench", limit=1)
     embed = target.model.get_input_embeddings().weight.detach()
     want = measure_acceptance(target, load_drafter(tmp_path / "eagle", embed)[0], layout.aux_layers, prompts, 3, 8)

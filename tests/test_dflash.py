@@ -24,8 +24,9 @@ from eyas.dflash import (
     pick_mask_token,
     sample_anchors,
 )
-from eyas.exports import drafting_method, load_drafter
+from eyas.exports import load_drafter
 from eyas.layout import default_aux_layers
+from eyas.methods import method_of_export
 from eyas.target import BUNDLED, load_target_head, load_tokenizer, resolve_target
 
 BLOCK, LAYERS, T = 4, 2, 40
@@ -111,7 +112,7 @@ def test_export_loads_back_with_one_k_norm_for_every_layer(drafter, tmp_path):
     layout = {"aux_layers": list(drafter.cfg.target_layer_ids)}
     export_dflash(drafter, tmp_path, layout=layout)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert drafting_method(config) == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    assert method_of_export(config).name == "dflash" and config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"] == {"mask_token_id": drafter.cfg.mask_token_id,
                                        "target_layer_ids": list(drafter.cfg.target_layer_ids), "causal": False}
     names = set(load_file(str(tmp_path / "model.safetensors")))

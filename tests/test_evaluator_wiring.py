@@ -12,10 +12,11 @@ import torch
 from eyas.drafter import Drafter
 from eyas.exports import export_drafter
 from eyas.layout import EMBED, Layout
+from eyas.methods import get_method
+from eyas.methods.eagle3 import drafter_config
 from eyas.target import BUNDLED, load_target
 from services.evaluator.wiring import WiringMismatch, check_wiring
 from services.extractor.core import layout_for
-from services.trainer.train import drafter_config
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def export(target, dest: Path) -> Path:
     drafter = Drafter(drafter_config(BUNDLED, 64, layout_for(target, None)))
     drafter.set_vocab(torch.arange(64))
     export_drafter(drafter.cfg, drafter.state_dict(), layout_for(target, None), dest, "float32",
-                   {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}, 3)
+                   {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}, 3, get_method("eagle3"))
     return dest
 
 

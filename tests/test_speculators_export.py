@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from eyas.drafter import Drafter, DrafterConfig
 from eyas.exports import SPECULATORS_DIR, export_drafter, load_drafter, speculators_verifier
 from eyas.layout import Layout, default_aux_layers
+from eyas.methods import get_method
 from eyas.target import BUNDLED, BUNDLED_HUB_ID
 from services.trainer.spec import Spec
 from tests.servers import REPO, VLLM_PYTHON
@@ -77,7 +78,7 @@ def test_speculators_loads_the_export_offline_by_its_verifier_name(tmp_path):
     weights = {**drafter.state_dict(), "embed_tokens.weight": embed}
     verifier = speculators_verifier(str(target), cfg)
     assert verifier["name_or_path"] == HUB_ID
-    export_drafter(drafter.cfg, weights, layout, tmp_path / "out", "float32", verifier, K)
+    export_drafter(drafter.cfg, weights, layout, tmp_path / "out", "float32", verifier, K, get_method("eagle3"))
     export = tmp_path / "out" / SPECULATORS_DIR
     assert json.loads((export / "config.json").read_text())["speculators_config"]["verifier"] == verifier
 

@@ -19,6 +19,8 @@ from eyas.exports import eagle_config, export_drafter, load_drafter, speculators
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
 from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest, read_manifest, sha256_file
+from eyas.methods import get_method
+from eyas.methods.eagle3 import drafter_config
 from eyas.settings import Settings
 from eyas.stage import StageContext
 from eyas.store import Artifact, open_artifact
@@ -27,9 +29,9 @@ from eyas.ttt import label_rows, target_top, ttt_forward
 from orchestration.embedded import EmbeddedRunner
 from services.trainer import core
 from services.trainer.spec import Spec
-from services.trainer.train import drafter_config
 from services.trainer.vocab import select_vocab, token_counts
 
+EAGLE3 = get_method("eagle3")
 # The bundled target's default layout (drafter_config reads only how many aux layers it has).
 BUNDLED_LAYOUT = Layout(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
                         vocab_size=49152, aux_layers=(1, 14, 26))
@@ -323,11 +325,11 @@ def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
     # Non-default layers not starting at out(1): SGLang versions disagree on the offset → vLLM only, and the
     # export says why SGLang is not supported.
     written, unsupported = export_drafter(dcfg, weights, Layout(aux_layers=(2, 14, 25), **base), tmp_path / "a",
-                                          "float32", verifier, 3)
+                                          "float32", verifier, 3, EAGLE3)
     assert len(written) == 4 and set(unsupported) == {"sglang"} and "PR #25454" in unsupported["sglang"]
     # Non-default layers starting at out(1): per-engine ids are written, and both engines capture them.
     layout = Layout(aux_layers=(1, 14, 25), **base)
-    _, unsupported = export_drafter(dcfg, weights, layout, tmp_path, "float32", verifier, 3)
+    _, unsupported = export_drafter(dcfg, weights, layout, tmp_path, "float32", verifier, 3, EAGLE3)
     assert unsupported == {}
     cfg = json.loads((tmp_path / "eagle/config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 26]
@@ -335,13 +337,13 @@ def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
     # A config written for the default layers does not serve features of other layers (and vice versa).
     default_cfg = eagle_config(dcfg, Layout(aux_layers=(1, 14, 26), **base), "float32")
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
-        unsupported_engines(layout, default_cfg, speculators_config(cfg, layout, verifier, 3))
+        unsupported_engines(layout, default_cfg, speculators_config(cfg, layout, verifier, 3, EAGLE3), EAGLE3)
     with pytest.raises(LayoutMismatch, match="vllm would concatenate"):
         unsupported_engines(layout, cfg, speculators_config(default_cfg, Layout(aux_layers=(1, 14, 26), **base),
-                                                            verifier, 3))
+                                                            verifier, 3, EAGLE3), EAGLE3)
     # A drafter whose fc takes another number of aux layers than the layout names is refused before writing.
     with pytest.raises(LayoutMismatch, match="concatenates 3 aux layers, the layout 2"):
-        export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3)
+        export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3, EAGLE3)
     assert not (tmp_path / "b").exists()
 
 
@@ -360,7 +362,8 @@ def test_eagle31_norms_export_and_load_as_trained(norms, tmp_path):
     drafter.embed_tokens.weight.data.copy_(weights["embed_tokens.weight"])
     layout = Layout(target=BUNDLED, target_config_hash="c", tokenizer_hash="t", num_layers=30, hidden_size=576,
                     vocab_size=49152, aux_layers=(1, 14, 26))
-    _, unsupported = export_drafter(drafter.cfg, weights, layout, tmp_path, "float32", {"name_or_path": None}, 3)
+    _, unsupported = export_drafter(drafter.cfg, weights, layout, tmp_path, "float32", {"name_or_path": None}, 3,
+                                    EAGLE3)
     assert set(unsupported) == {"sglang"} and "EAGLE 3.1" in unsupported["sglang"]
     for sub in ("eagle", "speculators"):
         cfg = json.loads((tmp_path / sub / "config.json").read_text())
@@ -524,7 +527,7 @@ def test_peagle_drafts_k_tokens_in_one_causal_forward_and_exports_what_vllm_read
 
     weights = {**drafter.state_dict(), "embed_tokens.weight": embed}
     _, unsupported = export_drafter(drafter.cfg, weights, BUNDLED_LAYOUT, tmp_path, "float32",
-                                    {"name_or_path": None}, 3)
+                                    {"name_or_path": None}, 3, get_method("peagle"))
     assert set(unsupported) == {"sglang"} and "P-EAGLE" in unsupported["sglang"]
     eagle_cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
     spec_cfg = json.loads((tmp_path / "speculators" / "config.json").read_text())

@@ -29,13 +29,13 @@ import pytest
 from eyas.exports import load_drafter
 from eyas.layout import Layout
 from eyas.manifest import read_manifest
+from eyas.methods import get_method
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator import alternatives
 from services.evaluator.chains import drafted_ks, replay, run_lengths
-from services.evaluator.costmodel import speculative_config
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
@@ -214,7 +214,7 @@ def test_peagle_from_the_same_features_serves_with_parallel_drafting(trained):
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
                     for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, 7))
     assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
-    serve = json.loads(speculative_config(str(eagle_dir), K, "peagle"))
+    serve = get_method("peagle").speculative_config(str(eagle_dir), K)
     assert serve["parallel_drafting"] is True
     with vllm_server(bundled_target_dir(), speculative_config=serve) as url:
         vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
@@ -249,7 +249,7 @@ def test_dflash_from_the_same_features_serves_in_vllm(trained):
     per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], k)
                     for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, k))
     assert (per_k[k]["drafts"], per_k[k]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
-    with vllm_server(bundled_target_dir(), speculative_config=json.loads(speculative_config(str(out), k, "dflash"))) \
+    with vllm_server(bundled_target_dir(), speculative_config=get_method("dflash").speculative_config(str(out), k)) \
             as url:
         vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
     assert ours["matches_greedy"], ours["greedy_mismatches"]

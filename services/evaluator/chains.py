@@ -9,7 +9,7 @@ replaying the run lengths is (tests/test_evaluator.py compares it with services.
 
 The pass (shapes for one prompt of P tokens with output O, N = P + O, T = N - 1 drafter rows):
   target     one forward over the N tokens: aux states g [1, N, n_aux·H_t], greedy next tokens preds [N]
-  draft 0    rows t = 0..T-1 feed (g_t, x_{t+1}) causally (as specdec._draft does for a context ending at t+1);
+  draft 0    rows t = 0..T-1 feed (g_t, x_{t+1}) causally (as eyas.drafter.chain_drafts does for a context ending at t+1);
              row t proposes the token after x_{t+1}, compared with preds[t+1]
   draft j    row t feeds (its pre-norm state of step j-1, preds[t+j]) at position t+j, attending to step-0 keys
              ≤ t and its own keys of steps 1..j (eyas.drafter.TTTCache): while every earlier draft was accepted it
@@ -22,11 +22,12 @@ The pass (shapes for one prompt of P tokens with output O, N = P + O, T = N - 1 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from eyas.capture import gather, hooks
-from eyas.dflash import DFlashDrafter, block_runs
-from eyas.drafter import Drafter, TTTCache
+from eyas.methods import method_of_drafter
 from eyas.target import Target
 
 
@@ -47,32 +48,15 @@ def target_pass(target: Target, aux_layers: tuple[int, ...], ids: torch.Tensor,
     return aux, torch.cat(preds).to(on)
 
 
-@torch.inference_mode()
-def drafter_runs(drafter: Drafter | DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor,
-                 prompt_len: int, k_max: int) -> list[int]:
-    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds. A
-    DFlash drafter drafts its block's K = block − 1 tokens whatever k_max is (eyas.dflash.block_runs)."""
-    if isinstance(drafter, DFlashDrafter):
-        return block_runs(drafter, ids, aux, preds, prompt_len)
-    on = drafter.fc.weight.device
-    ids, aux, preds = ids.to(on), aux.to(on, drafter.fc.weight.dtype), preds.to(on)
-    rows = ids.shape[1] - 1
-    pos = torch.arange(rows, device=on)[None]  # [1, T]
-    cache = TTTCache()
-    hidden = drafter.step(ids[:, 1:], drafter.project(aux[:, :rows]), pos, cache)  # [1, T, H]
-    run = torch.zeros(rows, dtype=torch.long, device=on)  # accepted so far per row
-    alive = torch.ones(rows, dtype=torch.bool, device=on)  # every draft so far accepted
-    for j in range(k_max):
-        if j:  # row t feeds preds[t+j]: the token draft j proposed, while every earlier draft was accepted
-            hidden = drafter.step(*drafter.feed(preds[j: j + rows][None], hidden), pos + j, cache)
-        draft = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))[0]  # [T]: row t's draft j+1
-        alive &= draft == preds[1 + j: 1 + j + rows]
-        run += alive.long()
-    # round start s (context prompt + output[:s]) is the row ending at its last token: t = P + s - 2
-    return run[prompt_len - 2: rows - 1].tolist()  # O entries
+def drafter_runs(drafter: Any, ids: torch.Tensor, aux: torch.Tensor, preds: torch.Tensor, prompt_len: int,
+                 k_max: int) -> list[int]:
+    """a(s) for every round start s of the output ids[0, prompt_len:], from the target pass's aux and preds, as the
+    drafter's method replays them (EAGLE-3: the chain, eyas.drafter.chain_runs; DFlash: its block's K = block − 1
+    tokens whatever k_max is, eyas.dflash.block_runs)."""
+    return method_of_drafter(drafter).replay_runs(drafter, ids, aux, preds, prompt_len, k_max)
 
 
-def run_lengths(target: Target, drafter: Drafter | DFlashDrafter, aux_layers: tuple[int, ...], prompt: list[int],
+def run_lengths(target: Target, drafter: Any, aux_layers: tuple[int, ...], prompt: list[int],
                 output: list[int], k_max: int) -> list[int]:
     """a(s) for s = 0..len(output)-1: drafts (of k_max) the target accepts from context prompt + output[:s]."""
     ids = torch.tensor([prompt + output], device=drafter.fc.weight.device)  # [1, N]
@@ -81,17 +65,14 @@ def run_lengths(target: Target, drafter: Drafter | DFlashDrafter, aux_layers: tu
 
 
 def replay(runs: list[list[int]], ks: list[int]) -> dict[int, dict]:
-    """K → chain acceptance for each K of `ks` (drafted_ks) over the same run lengths."""
+    """K → chain acceptance for each K of `ks` (the drafter's method's drafted_ks) over the same run lengths."""
     return {k: chain_acceptance(runs, k) for k in ks}
 
 
-def drafted_ks(drafter: Drafter | DFlashDrafter, k_max: int) -> list[int]:
-    """The K a replay of this drafter's runs measures: every K ≤ k_max for a chain or P-EAGLE (draft i does not
-    depend on K), only its block's K for DFlash (its block attends within itself: a block of another size is
-    another forward, which it was not trained for and vLLM would run as such)."""
-    if isinstance(drafter, DFlashDrafter):
-        return [drafter.cfg.block_size - 1]
-    return list(range(1, k_max + 1))
+def drafted_ks(drafter: Any, k_max: int) -> list[int]:
+    """The K a replay of this drafter's runs measures, as its method says: every K ≤ k_max for a chain or P-EAGLE
+    (draft i does not depend on K), only its block's K for DFlash."""
+    return method_of_drafter(drafter).drafted_ks(drafter, k_max)
 
 
 def chain_acceptance(runs: list[list[int]], k: int) -> dict:

@@ -33,19 +33,19 @@ import torch
 from eyas.batching import collate, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import Placement, placement
-from eyas.dflash import DFlashDrafter
 from eyas.drafter import Drafter
-from eyas.exports import EXPORT_DIRS, HISTORY, SERVED_DIRS, load_drafter
+from eyas.exports import HISTORY, load_drafter
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest, fetch_verified, read_manifest
+from eyas.methods import DEFAULT_METHOD, EXPORT_DIRS, DraftingMethod, method_of
 from eyas.objective import objective
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
-from services.evaluator import alternatives, costmodel, launch, serving, steptime
+from services.evaluator import alternatives, launch, serving, steptime
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, drafted_ks, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
@@ -79,6 +79,11 @@ class Subject:
     place: Placement
     target: Target
     history: dict | None  # the training history (the loss and accuracy plots), when the drafter has one
+
+    @property
+    def method(self) -> DraftingMethod:
+        """The drafter's drafting method (its manifest's)."""
+        return method_of(self.manifest)
 
     @property
     def trained_on(self) -> str | None:
@@ -186,7 +191,7 @@ def _gap(accuracy: list[float], measured: list[float | None], k: int) -> Accepta
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(drafter: Drafter | DFlashDrafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
+def teacher_forced_accuracy(drafter: Drafter, lm_head: torch.Tensor, stream: FeatureStream, val_every: int | None,
                             steps: int, batch_tokens: int, check: Check = lambda: None) -> tuple[list[float], int]:
     """Per-TTT-step accuracy over the samples (validation split when val_every is set), read a window of shards
     at a time through the stream's bounded cache; returns (acc, samples). `check()` runs before each batch."""
@@ -213,7 +218,7 @@ def _fetch_drafter(uri: str, dest: Path, settings: Settings) -> Manifest:
         if name.split("/", 1)[0] in EXPORT_DIRS or name == HISTORY:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             fetch_verified(art, manifest, name, dest / name)
-    served = SERVED_DIRS[manifest.drafter.method if manifest.drafter else "eagle3"]
+    served = method_of(manifest).served_dir
     if not (dest / served / "config.json").is_file():
         raise ValueError(f"drafter {uri} has no {served}/ export (config.json + model.safetensors)")
     return manifest
@@ -240,9 +245,12 @@ def _open(spec: Spec, ctx: StageContext, local: Path) -> Subject:
 
 
 def _drafted_k(spec: Spec, subject: Subject) -> Spec:
-    """A DFlash drafter drafts its block's tokens (its training's ttt_steps), whatever K the spec asks."""
-    if subject.facts.method == "dflash" and spec.k != subject.facts.ttt_steps:
-        log.info("a DFlash drafter drafts its block: K = %d (the spec asked %d)", subject.facts.ttt_steps, spec.k)
+    """A drafter that drafts a fixed block (DFlash) drafts its block's tokens (its training's ttt_steps), whatever K
+    the spec asks."""
+    method = subject.method
+    if method.fixed_block and spec.k != subject.facts.ttt_steps:
+        log.info("a %s drafter drafts its block: K = %d (the spec asked %d)", method.title, subject.facts.ttt_steps,
+                 spec.k)
         return spec.model_copy(update={"k": subject.facts.ttt_steps})
     return spec
 
@@ -261,7 +269,7 @@ def _load_drafter(subject: Subject) -> Drafter:
     """The drafter on the target's input device (where its embedding is), in the target's dtype, as vLLM serves
     it (DFlash with the target's lm_head too)."""
     model = subject.target.model
-    drafter, _ = load_drafter(subject.local / SERVED_DIRS[subject.facts.method],
+    drafter, _ = load_drafter(subject.local / subject.method.served_dir,
                               model.get_input_embeddings().weight.detach(), subject.place.dtype,
                               lm_head_weight=model.get_output_embeddings().weight.detach())
     return drafter
@@ -367,7 +375,7 @@ def _compared(uri: str, ctx: StageContext) -> dict:
     """What compare_methods needs of an earlier evaluation report."""
     report = json.loads(open_artifact(uri, ctx.settings).get_bytes("report.json"))
     serving_ = report["serving"]
-    return {"method": report.get("method", "eagle3"), "drafter": report["drafter"],
+    return {"method": report.get("method", DEFAULT_METHOD), "drafter": report["drafter"],
             "tau_per_k": serving_["tau_per_k"], "drafter_s": [tuple(p) for p in serving_["drafter_s"]]}
 
 
@@ -376,7 +384,8 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     endpoints, or servers started with the operator's Settings.vllm_command (the speculative one at the
     recommended K)."""
     prompts, per_k = replayed.prompts, replayed.per_k
-    method, served = subject.facts.method, SERVED_DIRS[subject.facts.method]
+    method = subject.method
+    served = method.served_dir
     model = _local_or_uri(f"{subject.uri}/{served}")
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
@@ -390,12 +399,11 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         out = {**measured, **serving.predict(times, bounds, per_k, len(prompts), model, method, spec.k)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
-                {"method": method, "drafter": subject.uri, "tau_per_k": out["tau_per_k"], "drafter_s": times.drafter},
+                {"method": method.name, "drafter": subject.uri, "tau_per_k": out["tau_per_k"], "drafter_s": times.drafter},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:
-            config = json.loads(costmodel.speculative_config(str(subject.local / served),
-                                                             out["best"][0]["k"] or spec.k, method))
+            config = method.speculative_config(str(subject.local / served), out["best"][0]["k"] or spec.k)
             spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config,
                                                               check=ctx.check))
         if endpoint and spec_endpoint:
@@ -425,7 +433,7 @@ def _report(spec: Spec, subject: Subject, wiring: dict, accuracy: Accuracy, repl
         answer=reports.answer(served, len(replayed.prompts)),
         target=spec.target,
         layout=subject.layout.to_dict(),
-        method=subject.facts.method,
+        method=subject.method.name,
         k=spec.k,
         per_position_accuracy=acc,
         acceptance_length=scored["acceptance_length"],

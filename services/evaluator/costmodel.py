@@ -17,7 +17,6 @@ the engine is compute-bound (then K+1 tokens cost K+1 times one).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 CONCURRENCIES = (1, 4, 16, 64)
@@ -36,17 +35,12 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def drafts_in_one_forward(method: str) -> bool:
-    """P-EAGLE and DFlash draft all K tokens in one forward; EAGLE-3 chains K."""
-    return method != "eagle3"
-
-
 @dataclass(frozen=True)
 class StepTimes:
     target: list[tuple[int, float]]  # (tokens in one target forward, seconds)
     drafter: list[tuple[int, float]]  # (batch, seconds of one draft step: one token per sequence)
     overhead: float = 0.0  # seconds per speculative step beyond the target and drafter forwards
-    parallel: bool = False  # the drafter proposes all K in one forward (P-EAGLE)
+    parallel: bool = False  # the drafter proposes all K in one forward (its method's `parallel`: P-EAGLE, DFlash)
 
     def plain_step(self, c: int) -> float:
         return interpolate(self.target, c)
@@ -63,13 +57,6 @@ class StepTimes:
 
     def spec_tok_s(self, c: int, k: int, tau_k: float) -> float:
         return c * tau_k / self.spec_step(c, k)
-
-
-def speculative_config(model: str, k: int, method: str = "eagle3") -> str:
-    """The exact `--speculative-config` value for vLLM (model: where the server reads the export; `method`: the
-    drafter's, eyas.exports.drafting_method: a P-EAGLE drafter is EAGLE-3 with parallel drafting, DFlash its own)."""
-    config = {"method": "dflash" if method == "dflash" else "eagle3", "model": model, "num_speculative_tokens": k}
-    return json.dumps({**config, "parallel_drafting": True} if method == "peagle" else config)
 
 
 def _measured(taus: dict[int, float | None]) -> dict[int, float]:

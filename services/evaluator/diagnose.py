@@ -41,16 +41,16 @@ from eyas.exports import (
     HISTORY,
     WEIGHTS,
     drafter_name,
-    drafting_method,
     load_drafter,
     speculators_name,
 )
 from eyas.layout import default_aux_layers
 from eyas.manifest import ArtifactWriter, Manifest, fetch_verified, read_manifest
+from eyas.methods import DraftingMethod, method_of, method_of_export
 from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.target import Target, load_target, resolve_target
-from services.evaluator import costmodel, launch
+from services.evaluator import launch
 from services.evaluator.chains import chain_acceptance, drafter_runs, target_pass
 from services.evaluator.diagnose_spec import K_MAX, Spec
 from services.evaluator.live import timed_completions
@@ -98,16 +98,21 @@ def _config_aux(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(i - 1 for i in ids) if ids else default_aux_layers(num_layers)
 
 
+def _check_diagnosable(method: DraftingMethod, drafter: str) -> None:
+    """Diagnose tries EAGLE-3's wirings on an eagle/ export: a method that writes none is refused."""
+    if EAGLE_DIR not in method.export_dirs:
+        raise ValueError(f"drafter {drafter} is a {method.title} drafter: diagnose tries EAGLE-3's wirings (aux "
+                         "layers, order, vocabulary map, norms) on an eagle/ export, which it has none of; evaluate "
+                         "it instead (its wiring check covers its target layers)")
+
+
 def _fetch(spec: Spec, ctx: StageContext, local: Path, num_layers: int) -> Exported:
     """An Eyas drafter artifact's eagle/ export and history, or the export directory itself."""
     art = open_artifact(spec.drafter, ctx.settings)
     trained_kwargs, accuracy = None, None
     if art.exists("manifest.json"):
         manifest = read_manifest(art, kind="drafter")
-        if manifest.drafter is not None and manifest.drafter.method == "dflash":
-            raise ValueError(f"drafter {spec.drafter} is a DFlash drafter: diagnose tries EAGLE-3's wirings (aux "
-                             "layers, order, vocabulary map, norms); evaluate it instead (its wiring check covers "
-                             "DFlash's target layers)")
+        _check_diagnosable(method_of(manifest), spec.drafter)
         for name in manifest.files:
             if name.startswith(f"{EAGLE_DIR}/") or name == HISTORY:
                 (local / name).parent.mkdir(parents=True, exist_ok=True)
@@ -127,9 +132,7 @@ def _fetch(spec: Spec, ctx: StageContext, local: Path, num_layers: int) -> Expor
                                  "model.safetensors)")
             (path / name).write_bytes(art.get_bytes(name))
     config = json.loads((path / CONFIG).read_text())
-    if drafting_method(config) == "dflash":
-        raise ValueError(f"drafter {spec.drafter}: a DFlash export (DFlashDraftModel); diagnose tries EAGLE-3's "
-                         "wirings: evaluate it instead")
+    _check_diagnosable(method_of_export(config), spec.drafter)
     return Exported(path, config, num_layers, _config_aux(config, num_layers), trained_kwargs, accuracy)
 
 
@@ -291,8 +294,8 @@ def _served(spec: Spec, ctx: StageContext, exported: Exported, prompts: list[Pro
     elif spec.serve:
         if not ctx.settings.vllm_command:
             raise ValueError("serve=true needs EYAS_VLLM_COMMAND (the command that starts vLLM's OpenAI server)")
-        config = costmodel.speculative_config(str(exported.path), spec.k, drafting_method(exported.config))
-        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), json.loads(config),
+        config = method_of_export(exported.config).speculative_config(str(exported.path), spec.k)
+        stack = launch.vllm(ctx.settings.vllm_command, resolve_target(spec.target), config,
                             check=ctx.check)
     else:
         return None

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eyas.methods import DEFAULT_METHOD, METHODS
+
 
 def _absent_if_none(value: Any) -> bool:
     return value is None
@@ -369,8 +371,8 @@ class Report(_Model):
     answer: Answer = Field(description="the answer first: serve it or not, how, what it gains, what next")
     target: str
     layout: dict[str, Any] = Field(description="the drafter's layout (eyas.layout.Layout.to_dict())")
-    method: str = Field("eagle3", description="eagle3 (a chain: one drafter step per draft token), peagle or dflash "
-                        "(parallel drafting: all K in one drafter forward)")
+    method: str = Field(DEFAULT_METHOD, description="the drafter's drafting method: " + "; ".join(
+        f"{m.name}: {m.summary}" for m in METHODS.values()))
     k: int = Field(description="draft tokens per target forward")
     per_position_accuracy: list[float] = Field(description="teacher-forced accuracy per TTT step; [] without features")
     acceptance_length: float | None = Field(

@@ -19,8 +19,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
+from eyas.methods import DraftingMethod, get_method
 from services.evaluator import costmodel, steptime
 from services.evaluator.live import live_ab
 from services.evaluator.specdec import PromptIds
@@ -59,7 +61,7 @@ def noise_bounds(times: costmodel.StepTimes, target_noise: list[tuple[int, float
                                      drafter=scaled(times.drafter, drafter_noise, sign)) for sign in (-1, 1))
 
 
-def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str | None,
+def measure_steps(target, drafter, method: DraftingMethod, prompt: list[int], endpoint: str | None,
                   api_key: str | None, check: Callable[[], None]
                   ) -> tuple[costmodel.StepTimes, tuple[costmodel.StepTimes, costmodel.StepTimes], dict]:
     """Step times on the endpoint when given (else the target in-process) and the drafter's in-process, the bounds
@@ -81,21 +83,21 @@ def measure_steps(target, drafter, method: str, prompt: list[int], endpoint: str
     source["drafter"] = f"draft step at batch b, {in_process} (not inside the engine)"
     drafter_noise = noise(drafter_readings)
     times = costmodel.StepTimes(target=target_points, drafter=fastest(drafter_readings),
-                                parallel=costmodel.drafts_in_one_forward(method))
+                                parallel=method.parallel)
     return times, noise_bounds(times, target_noise, drafter_noise), {
         "source": source, "target_s": target_points, "drafter_s": times.drafter,
         "step_noise": {"target": target_noise, "drafter": drafter_noise}}
 
 
 def predict(times: costmodel.StepTimes, bounds: tuple[costmodel.StepTimes, costmodel.StepTimes],
-            per_k: dict[int, dict], prompts: int, model: str, method: str, evaluated_k: int) -> dict:
+            per_k: dict[int, dict], prompts: int, model: str, method: DraftingMethod, evaluated_k: int) -> dict:
     """The recommendation (from the K whose τ was measured, within the step times' noise), the exact
     --speculative-config for its K (the evaluated one when no K was measured; model: where the server reads the
     export), and the decision line with the counts it rests on."""
     rec = costmodel.recommend(times, {k: a["acceptance_length"] for k, a in per_k.items()}, bounds=bounds,
                               evidence={"prompts": prompts,
                                         "drafts_per_k": {str(k): a["drafts"] for k, a in per_k.items()}})
-    rec["speculative_config"] = costmodel.speculative_config(model, rec["best"][0]["k"] or evaluated_k, method)
+    rec["speculative_config"] = json.dumps(method.speculative_config(model, rec["best"][0]["k"] or evaluated_k))
     rec["decision"] = costmodel.decision(rec)
     rec["per_position_acceptance_per_k"] = {str(k): a["per_position_acceptance"] for k, a in per_k.items()}
     return rec
@@ -108,7 +110,7 @@ def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]
     rows = []
     for d in drafters:
         times = costmodel.StepTimes(target=target_points, drafter=d["drafter_s"],
-                                    parallel=costmodel.drafts_in_one_forward(d["method"]))
+                                    parallel=get_method(d["method"]).parallel)
         rec = costmodel.recommend(times, {int(k): t for k, t in d["tau_per_k"].items()})
         rows.append({"method": d["method"], "drafter": d["drafter"], "best": rec["best"]})
     choice = []

@@ -26,8 +26,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from eyas.capture import gather, hooks
 from eyas.decoding import grouped_sdpa, growing_cache
-from eyas.dflash import DFlashDrafter, block_drafts
-from eyas.drafter import Drafter, TTTCache
+from eyas.drafter import Drafter
+from eyas.methods import method_of_drafter
 from eyas.prompts import load_eval_prompts
 from eyas.render import render_prompt
 from eyas.settings import Settings
@@ -86,28 +86,6 @@ def _extend(out: list[int], new: list[int], stop: set[int], max_new_tokens: int)
         out.append(t)
 
 
-def _draft(drafter: Drafter, h0: torch.Tensor, context: list[int], k: int,
-           past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor]]:
-    """K greedy draft tokens (target ids) after `context`; h0 = fc(g) for rows 0..n-2 [1, n-1, H]. `past` holds
-    the step-0 keys/values of the rows an earlier draft processed (every row stays valid: each pairs a context
-    token with the target's own state), so only the new rows run; returns the drafts and the extended `past`."""
-    n = len(context)
-    done = 0 if past is None else past[0].shape[2]
-    on = h0.device  # the drafter's, which is the target's input device
-    ids = torch.tensor([context[1 + done:]], device=on)  # x_{t+1} beside g_t, for the rows not processed yet
-    pos = torch.arange(done, n - 1, device=on)[None]
-    cache = TTTCache(past)
-    hidden = drafter.step(ids, h0[:, done:], pos, cache)[:, -1:]  # pre-norm state of the last row
-    past = (cache.keys[0], cache.values[0])
-    tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))  # [1, 1]
-    out = [int(tok)]
-    for j in range(1, k):
-        hidden = drafter.step(*drafter.feed(tok, hidden), pos[:, -1:] + j, cache)
-        tok = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
-        out.append(int(tok))
-    return out, past
-
-
 Check = Callable[[], None]  # runs between steps; raises to stop them (a cancel: eyas.stage.StageContext.check)
 
 
@@ -136,17 +114,13 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
         preds, aux = forward(prompt)
         context = prompt + [int(preds[-1])]
         _extend(res.tokens, context[-1:], stop, max_new_tokens)
-        block = isinstance(drafter, DFlashDrafter)  # drafts from the aux states themselves, a block per forward
-        # fc(g) of every row the target has processed, [1, n-1, H] (DFlash: g itself, [1, n-1, n_aux·H_t])
-        h0 = aux[None] if block else drafter.project(aux[None])
-        past = None  # the drafter's step-0 keys/values so far
+        method = method_of_drafter(drafter)
+        # what the drafter keeps of every row the target has processed (EAGLE-3: fc(g), [1, n-1, H]; DFlash: g)
+        h0 = method.context_states(drafter, aux[None])
+        past = None  # what the drafter kept of its last drafting (EAGLE-3: its step-0 keys/values so far)
         while not _finished(res.tokens, stop, max_new_tokens):
             check()
-            if block:  # the last token is the bonus, the rows before it the context (eyas.dflash.block_drafts)
-                drafts = block_drafts(drafter, torch.tensor([context], device=on), h0,
-                                      torch.tensor([len(context) - 1]), k)[0].tolist()
-            else:
-                drafts, past = _draft(drafter, h0, context, k, past)
+            drafts, past = method.propose(drafter, h0, context, k, past)
             preds, aux = forward(context[-1:] + drafts)
             a = 0
             while a < k and drafts[a] == int(preds[a]):
@@ -157,7 +131,7 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
             emitted = drafts[:a] + [int(preds[a])]
             if a < k:
                 cache.crop(-(k - a))  # keep x_{n-1} and the accepted drafts
-            h0 = torch.cat([h0, aux[None, : a + 1] if block else drafter.project(aux[None, : a + 1])], dim=1)
+            h0 = torch.cat([h0, method.context_states(drafter, aux[None, : a + 1])], dim=1)
             context += emitted
             _extend(res.tokens, emitted, stop, max_new_tokens)
     res.seconds = time.perf_counter() - t0

@@ -22,12 +22,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import torch
 
-from eyas.dflash import DFlashDrafter
-from eyas.drafter import Drafter, TTTCache
+from eyas.methods import method_of_drafter
 from eyas.target import Target
 from services.evaluator.live import _headers, served_model
 
@@ -130,35 +130,6 @@ def _target_step(model, new: torch.Tensor, cache) -> None:
     cache.crop(-new.shape[1])  # the next call sees the same cache
 
 
-def _draft_step(drafter: Drafter, tok: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-                cache: TTTCache) -> None:
-    nxt = drafter.step(tok, hidden, pos, cache)
-    drafter.to_target_ids(drafter.logits(nxt).argmax(-1))
-    del cache.keys[1:], cache.values[1:]  # the next call sees the same cache
-
-
-def _block_step_times(drafter: DFlashDrafter, batches: tuple[int, ...],
-                      check: Callable[[], None]) -> list[tuple[int, list[float]]]:
-    """One DFlash round at batch b: a block's worth of new context states (the engine caches the older ones) and
-    the block of [bonus token, masks], to the draft token ids."""
-    cfg = drafter.cfg
-    on, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    drafts = cfg.block_size - 1
-    out = []
-    with _one_thread_on_cpu(on):
-        for b in batches:
-            check()
-            aux = torch.randn(b, cfg.block_size, cfg.num_aux * cfg.target_hidden_size, device=on, dtype=dtype)
-            anchors = torch.full((b, 1), cfg.block_size, device=on)
-            tokens = torch.randint(cfg.vocab_size, (b, 1), device=on)
-            out.append((b * drafts, readings(_block_step, drafter, aux, anchors, tokens)))
-    return out
-
-
-def _block_step(drafter: DFlashDrafter, aux, anchors, tokens) -> None:
-    drafter.logits(drafter.blocks(aux, anchors, tokens)[:, :, 1:]).argmax(-1)
-
-
 @torch.inference_mode()
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
                       context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
@@ -186,24 +157,16 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
 
 
 @torch.inference_mode()
-def drafter_step_times(drafter: Drafter | DFlashDrafter, batches: tuple[int, ...] = BATCHES,
+def drafter_step_times(drafter: Any, batches: tuple[int, ...] = BATCHES,
                        context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
-    """(b, READINGS readings, fastest first, of one draft step at batch b): a token per sequence, attending to
-    `context` step-0 keys, to the draft token id (specdec._draft's loop body, batched). DFlash drafts a block per
-    forward: its points are (b · (block − 1) tokens drafted, readings of one block forward at batch b). `check()` (a
-    cancel) before each point."""
-    if isinstance(drafter, DFlashDrafter):
-        return _block_step_times(drafter, batches, check)
-    on, h = drafter.fc.weight.device, drafter.cfg.hidden_size
+    """(x, READINGS readings, fastest first, of one draft step at batch b), as the drafter's method drafts: a chain
+    (EAGLE-3, P-EAGLE) one token per sequence attending to `context` step-0 keys, x = b; a block (DFlash) its block
+    in one forward, x = b · (block − 1) tokens drafted. `check()` (a cancel) before each point."""
+    method = method_of_drafter(drafter)
     out = []
-    with _one_thread_on_cpu(on):
+    with _one_thread_on_cpu(drafter.fc.weight.device):
         for b in batches:
             check()
-            cache = TTTCache()
-            pos = torch.arange(context, device=on)[None].expand(b, -1)  # [b, context]
-            ids = torch.randint(drafter.cfg.vocab_size, (b, context), device=on)
-            state = torch.randn(b, context, h, device=on, dtype=drafter.fc.weight.dtype)
-            hidden = drafter.step(ids, state, pos, cache)
-            # one chain step after step 0: [b, 1] token, [b, 1, H] state, [b, 1] position
-            out.append((b, readings(_draft_step, drafter, ids[:, -1:], hidden[:, -1:], pos[:, -1:] + 1, cache)))
+            drafted, step = method.draft_step(drafter, b, context)
+            out.append((drafted, readings(step)))
     return out

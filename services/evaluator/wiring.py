@@ -19,11 +19,10 @@ from typing import Any
 from safetensors import safe_open
 
 from eyas.layout import Layout, LayoutMismatch, check_layout, check_serving, describe, vllm_view
+from eyas.methods import EXPORT_DIRS, SERVED
 from eyas.target import Target
 
 ENGINES = ("vllm", "sglang")
-# Which export each engine loads: (engine, export dir name). SGLang loads only the EAGLE/SpecForge layout.
-_SERVED = (("vllm", "eagle"), ("vllm", "speculators"), ("sglang", "eagle"), ("vllm", "dflash"))
 
 
 class WiringMismatch(LayoutMismatch):
@@ -73,9 +72,9 @@ def check_wiring(layout: Layout, drafter_dir: Path, target: Target | None = None
     if target is not None:
         check_target(layout, target)
     served: dict[str, Any] = {}
-    for engine, name in _SERVED:
+    for engine, name in SERVED:  # every export each engine loads, of any method (SGLang: the EAGLE layout only)
         if engine in engines and (drafter_dir / name / "config.json").is_file():
             served[f"{engine}:{name}"] = describe(check_export_wiring(layout, drafter_dir / name, engine))
     if not served:
-        raise WiringMismatch(f"{drafter_dir}: no eagle/, speculators/ or dflash/ export to check")
+        raise WiringMismatch(f"{drafter_dir}: no {', '.join(f'{d}/' for d in EXPORT_DIRS)} export to check")
     return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True}

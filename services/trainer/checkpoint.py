@@ -21,8 +21,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from eyas.dflash import DFlashDrafter
-from eyas.drafter import Drafter
 from eyas.features import Sample, ShardBuffer, shard_samples
 from eyas.settings import Settings
 from eyas.store import Artifact, open_artifact
@@ -56,7 +54,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensors:
     torch.set_rng_state(tensors["rng.torch"])
 
 
-def save_checkpoint(output: Artifact, step: int, drafter: Drafter | DFlashDrafter, optimizer, names: list[str],
+def save_checkpoint(output: Artifact, step: int, drafter: Any, optimizer, names: list[str],
                     position: DataPosition, history: dict, fields: dict[str, Any], info: dict[str, Any]) -> None:
     prefix = f"{CHECKPOINTS}/step-{step:08d}"
     # cloned: a DFlash drafter's tied k_norm is one tensor under several names, which safetensors refuses
@@ -99,7 +97,7 @@ def resume_source(spec: Spec, output: Artifact, settings: Settings) -> Artifact 
     return source
 
 
-def restore(source: Artifact, drafter: Drafter | DFlashDrafter, optimizer: torch.optim.Optimizer, names: list[str],
+def restore(source: Artifact, drafter: Any, optimizer: torch.optim.Optimizer, names: list[str],
             fields: dict[str, Any]) -> tuple[int, DataPosition, dict]:
     """Load `source`'s latest checkpoint into the drafter and optimizer; returns (step, data position, history).
     Refuses a checkpoint trained with other settings (`fields`: the spec fields that shape training)."""

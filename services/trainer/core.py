@@ -21,25 +21,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from eyas.dflash import export_dflash
-from eyas.exports import DFLASH_DIR, HISTORY, export_drafter, speculators_verifier
+from eyas.exports import HISTORY, speculators_verifier
 from eyas.handoff import FINISHED, abort
-from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest
+from eyas.methods import get_method
 from eyas.ranks import run_ranks
 from eyas.stage import StageContext, StageResult
 from eyas.target import load_target_head, resolve_target
 from services.trainer.checkpoint import CHECKPOINTS, load_checkpoint
 from services.trainer.inputs import open_features, resolve
 from services.trainer.spec import Spec
-from services.trainer.train import PROGRESS_TAG, build_dflash, drafter_config, train
+from services.trainer.train import PROGRESS_TAG, train
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "features"
-# why SGLang is listed as unable to serve a DFlash export (the drafter's manifest says it)
-DFLASH_SGLANG = "the export is vLLM's DFlashDraftModel; Eyas has not checked SGLang's DFlash loader against it"
 
 def _train_distributed(spec: Spec, ctx: StageContext) -> None:
     """torchrun with `processes` ranks; rank 0's progress lines become this job's progress. A cancel (raised by
@@ -72,17 +67,6 @@ def _summary(history: dict, info: dict) -> dict[str, Any]:
     return metrics
 
 
-def _export_dflash(spec: Spec, target: str, layout: Layout, weights: dict[str, torch.Tensor], head: torch.Tensor,
-                   out: Path) -> tuple[list[Path], dict[str, str]]:
-    """dflash/ (vLLM's DFlashDraftModel, eyas.dflash) for the trained weights (with the target's embedding) and the
-    target's lm_head `head`; the engines that cannot serve it."""
-    drafter = build_dflash(target, spec, layout, weights["embed_tokens.weight"], head)
-    restored = {k: v for k, v in weights.items() if k in drafter.trainable_state_dict()}
-    drafter.load_state_dict(restored, strict=False)
-    files = export_dflash(drafter, out / DFLASH_DIR, spec.dtype, layout.to_dict())
-    return [f.relative_to(out) for f in files], {"sglang": DFLASH_SGLANG}
-
-
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     spec = resolve(spec, ctx.settings)  # once: torchrun's ranks, the exports and the manifest see the same values
     reader, layout = open_features(spec, ctx.settings, ctx.stop)
@@ -110,12 +94,8 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
 
     writer = ArtifactWriter(ctx.output)
     with tempfile.TemporaryDirectory(prefix="eyas-drafter-") as tmp:
-        if spec.method == "dflash":
-            written, unsupported = _export_dflash(spec, target, layout, weights, head, Path(tmp))
-        else:
-            cfg = drafter_config(target, spec.draft_vocab_size, layout, **spec.architecture())
-            written, unsupported = export_drafter(cfg, weights, layout, Path(tmp), spec.dtype, verifier,
-                                                  spec.ttt_steps)
+        written, unsupported = get_method(spec.method).export(spec, target, layout, weights, head, Path(tmp),
+                                                             verifier)
         for rel in written:
             writer.put_file(rel.as_posix(), Path(tmp) / rel)
     for engine, why in unsupported.items():

@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from eyas.confine import names
 from eyas.defaults import BUNDLED, DEFAULT_CACHE_GB, NORM_FLAGS, DTypeName, check_norm_flags
+from eyas.methods import DEFAULT_METHOD, METHODS, get_method
 from eyas.stage import UNIX_TIME_MAX, StageSpec
 
 DEFAULT_DRAFT_VOCAB = 8192  # Vd, why this size: services.trainer.vocab
@@ -18,30 +19,32 @@ CPU_PRESET: dict[str, Any] = {"ttt_steps": 3, "draft_vocab_size": 4096, "lr": 3e
                               "warmup": 10, "epochs": 3.0}
 
 
-# The schema's statement of the rules the validator applies (the API's schema states every rule submit applies): not
-# both fc norms (check_norm_flags); no EAGLE 3.1 norm with DFlash; more than one draft layer only for DFlash (a
-# missing method is eagle3).
+# The schema's statement of the rules the validator applies (the API's schema states every rule submit applies),
+# from the methods' facts: not both fc norms (check_norm_flags); no EAGLE 3.1 norm with a method that takes none;
+# more than one draft layer only for a method that allows several (a missing method is DEFAULT_METHOD).
+_NO_NORMS = [m.name for m in METHODS.values() if not m.takes_norms]
+_LAYERED = [m.name for m in METHODS.values() if m.several_layers]
+assert not get_method(DEFAULT_METHOD).several_layers  # the draft_layers rule reads a missing method as one layer
 _RULES = {"allOf": [
     {"not": {"required": ["norm_before_fc", "fc_norm"],
              "properties": {"norm_before_fc": {"const": True}, "fc_norm": {"const": True}}}},
-    *({"not": {"required": ["method", flag], "properties": {"method": {"const": "dflash"}, flag: {"const": True}}}}
-      for flag in NORM_FLAGS),
-    {"not": {"required": ["draft_layers"], "properties": {"method": {"not": {"const": "dflash"}},
+    *({"not": {"required": ["method", flag], "properties": {"method": {"enum": _NO_NORMS}, flag: {"const": True}}}}
+      for flag in NORM_FLAGS if _NO_NORMS),
+    {"not": {"required": ["draft_layers"], "properties": {"method": {"not": {"enum": _LAYERED}},
                                                           "draft_layers": {"type": "integer", "minimum": 2}}}},
 ]}
+MethodName = Literal[tuple(METHODS)]  # the registered methods' names
 
 
 class Spec(StageSpec):
     model_config = ConfigDict(json_schema_extra=_RULES)
 
-    method: Literal["eagle3", "peagle", "dflash"] = Field(
-        "eagle3", description="eagle3: a chain, one drafter step per drafted token; peagle: P-EAGLE, the same drafter "
-        "fed a learned mask state after its first step, so vLLM drafts all ttt_steps tokens in one forward "
-        "(served with \"parallel_drafting\": true); dflash: a stack of draft_layers decoder layers that drafts a "
-        "block of ttt_steps tokens in one forward, conditioned on the features' target layers (vLLM's method "
-        "\"dflash\"); all three train on the same features")
-    draft_layers: int | None = Field(None, ge=1, le=32, description="DFlash's decoder layers (default 2); EAGLE-3 "
-                                     "and P-EAGLE have one")
+    method: MethodName = Field(
+        DEFAULT_METHOD, description="; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+        + "; all train on the same features")
+    draft_layers: int | None = Field(None, ge=1, le=32, description="the decoder layers of a method that allows "
+                                     "several (" + ", ".join(f"{m.name}: default {m.layers}" for m in METHODS.values()
+                                                             if m.several_layers) + "); the others have one")
     aux_layers: list[Annotated[int, Field(ge=-1, le=1023)]] | None = Field(
         None, min_length=1, max_length=64, description="the target layers the drafter reads (out(i), ascending, "
         "as the extract spec names them); default: the features'. Features that captured other layers are refused, "
@@ -96,15 +99,12 @@ class Spec(StageSpec):
     @model_validator(mode="after")
     def _one_fc_norm(self) -> Spec:
         check_norm_flags(self.norm_before_fc, self.fc_norm)
-        if self.method == "dflash" and any(getattr(self, k) for k in NORM_FLAGS):
-            raise ValueError(f"method=dflash: EAGLE 3.1's norms ({', '.join(NORM_FLAGS)}) are EAGLE-3's, not DFlash's")
-        if self.method != "dflash" and self.draft_layers not in (None, 1):
+        method = get_method(self.method)
+        if not method.takes_norms and any(getattr(self, k) for k in NORM_FLAGS):
+            raise ValueError(f"method={self.method}: EAGLE 3.1's norms ({', '.join(NORM_FLAGS)}) are EAGLE-3's, "
+                             f"not {method.title}'s")
+        if not method.several_layers and self.draft_layers not in (None, 1):
             raise ValueError(f"draft_layers={self.draft_layers}: method={self.method} has one decoder layer "
-                             f"(draft_layers is DFlash's)")
+                             f"(draft_layers is {', '.join(_LAYERED)}'s)")
         return self
-
-    def architecture(self) -> dict[str, bool]:
-        """The drafter's shape beyond the target's: EAGLE 3.1's flags and P-EAGLE's parallel slots, as
-        DrafterConfig.from_target takes them."""
-        return {**{k: getattr(self, k) for k in NORM_FLAGS}, "parallel": self.method == "peagle"}
 

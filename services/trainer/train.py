@@ -30,15 +30,14 @@ from tqdm import tqdm
 from eyas.batching import collate, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import placement
-from eyas.dflash import DFlashConfig, DFlashDrafter, pick_mask_token
-from eyas.drafter import Drafter, DrafterConfig
 from eyas.features import FeatureReader, Sample
 from eyas.layout import Layout
+from eyas.methods import get_method
 from eyas.objective import objective
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.streaming import FeatureStream
-from eyas.target import load_target_head, load_tokenizer, resolve_target
+from eyas.target import load_target_head
 from eyas.ttt import label_rows, target_top
 from services.trainer.checkpoint import (
     load_validation,
@@ -58,7 +57,6 @@ BETAS = (0.9, 0.95)
 MAX_GRAD_NORM = 0.5
 WEIGHT_DECAY = 0.0
 LOSS_DECAY = 0.8  # weight 0.8^k of TTT step k (EAGLE, SpecForge)
-DFLASH_LAYERS = 2  # DFlash's decoder layers unless the spec says (the drafts of one forward need some depth)
 PROGRESS_TAG = "EYAS-TRAIN-PROGRESS "  # a rank-0 stdout line a parent process turns into job progress
 # Spec fields a resumed run may change; every other field must equal the checkpoint's.
 RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier",
@@ -100,7 +98,7 @@ class TTTObjective(nn.Module):
     """The drafter plus its objective (eyas.objective: TTT, or DFlash's blocks) as one module, so DDP wraps a plain
     forward. The target lm_head is a plain attribute: frozen, never broadcast, never in a state dict."""
 
-    def __init__(self, drafter: Drafter | DFlashDrafter, target_lm_head: torch.Tensor, steps: int,
+    def __init__(self, drafter: Any, target_lm_head: torch.Tensor, steps: int,
                  recompute: bool = False, seed: int = 0):
         super().__init__()
         self.drafter = drafter
@@ -121,7 +119,7 @@ class TrainingSetup:
 
     layout: Layout
     data: TrainData  # the train samples (read through the bounded cache) and the validation samples
-    drafter: Drafter | DFlashDrafter
+    drafter: Any
     target_lm_head: torch.Tensor
     vocab_coverage: float
     total_steps: int
@@ -129,41 +127,6 @@ class TrainingSetup:
 
 def training_fields(spec: Spec) -> dict[str, Any]:
     return {k: v for k, v in spec.model_dump(mode="json").items() if k not in RESUME_MAY_CHANGE}
-
-
-def drafter_config(target: str, draft_vocab_size: int, layout: Layout, **architecture: bool) -> DrafterConfig:
-    """The drafter for `target`, concatenating as many aux layers as the features' layout names; `architecture`,
-    the spec's (Spec.architecture)."""
-    from transformers import AutoConfig
-
-    return DrafterConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)), draft_vocab_size,
-                                     num_aux=len(layout.aux_layers), **architecture)
-
-
-def build_drafter(target: str, draft_vocab_size: int, layout: Layout, embed: torch.Tensor,
-                  used: torch.Tensor, **architecture: bool) -> Drafter:
-    """A fresh drafter: the target's frozen embedding, the draft vocabulary, PyTorch's default init elsewhere
-    (seeded by the caller), as EAGLE and SpecForge start; `architecture`, the spec's (Spec.architecture)."""
-    drafter = Drafter(drafter_config(target, draft_vocab_size, layout, **architecture))
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(embed)
-        drafter.set_vocab(used)
-    return drafter
-
-
-def build_dflash(target: str, spec: Spec, layout: Layout, embed: torch.Tensor, head: torch.Tensor) -> DFlashDrafter:
-    """A fresh DFlash drafter (eyas.dflash): the spec's draft layers (default DFLASH_LAYERS), a block of ttt_steps
-    drafts after the bonus token, conditioned on the features' target layers; the target's embedding and lm_head,
-    frozen; the mask token one the tokenizer never produces from text."""
-    from transformers import AutoConfig
-
-    cfg = DFlashConfig.from_target(AutoConfig.from_pretrained(resolve_target(target)),
-                                   num_layers=spec.draft_layers or DFLASH_LAYERS, block_size=spec.ttt_steps + 1,
-                                   target_layer_ids=layout.aux_layers,
-                                   mask_token_id=pick_mask_token(load_tokenizer(target)))
-    drafter = DFlashDrafter(cfg)
-    drafter.set_target_head(embed, head)
-    return drafter
 
 
 def _check_stream(spec: Spec, reader: FeatureReader) -> None:
@@ -193,12 +156,11 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     target = spec.target or layout.target
     embed, head = load_target_head(target)
     torch.manual_seed(spec.seed)
-    if spec.method == "dflash":  # the target's whole vocabulary: it drafts with the target's lm_head
-        drafter, vocab_coverage = build_dflash(target, spec, layout, embed, head), 1.0
-    else:
-        used = select_vocab(data.counts, spec.draft_vocab_size)
-        drafter = build_drafter(target, spec.draft_vocab_size, layout, embed, used, **spec.architecture())
-        vocab_coverage = coverage(data.counts, used)
+    method = get_method(spec.method)
+    # a method without a draft vocabulary drafts from the target's whole one (DFlash: with the target's lm_head)
+    used = select_vocab(data.counts, spec.draft_vocab_size) if method.draft_vocab else None
+    drafter = method.build(spec, target, layout, embed, head, used)
+    vocab_coverage = coverage(data.counts, used) if used is not None else 1.0
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
