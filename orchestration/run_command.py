@@ -71,7 +71,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "with n-gram prompt lookup (and suffix decoding where installed), measure each on the evaluation "
                    "prompts, and answer with the fastest; the budget keeps time for it (LIVE_CHECK_S). auto: on when "
                    "a vLLM environment is installed (EYAS_VLLM_PYTHON, or the checkout's .venv-vllm) and the budget "
-                   "is over twice that (default: %(default)s)")
+                   "is at least LIVE_MIN_BUDGET times that: 20 minutes (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
@@ -130,7 +130,7 @@ def live_command(live: str, settings: Settings, minutes: float, method: str) -> 
     """The command the evaluator starts vLLM with for the live check (Settings.vllm_command), or None, and why:
     the operator's own command when set, else the vLLM environment's OpenAI server (fp32 and eager on a CPU, the
     engine's defaults on a GPU)."""
-    from orchestration.budget import LIVE_CHECK_S
+    from orchestration.budget import LIVE_CHECK_S, LIVE_MIN_BUDGET
 
     if live == "off":
         return None, "--live off"
@@ -142,8 +142,10 @@ def live_command(live: str, settings: Settings, minutes: float, method: str) -> 
             raise SystemExit(f"--live on: no vLLM environment (EYAS_VLLM_PYTHON={python}): run "
                              "scripts/install-vllm.sh, or set EYAS_VLLM_COMMAND")
         return None, "no vLLM environment installed (scripts/install-vllm.sh)"
-    if live == "auto" and 60 * minutes < 2 * LIVE_CHECK_S:
-        return None, f"a {minutes:g}-minute budget leaves no room for it (--live on forces it)"
+    if live == "auto" and 60 * minutes < LIVE_MIN_BUDGET * LIVE_CHECK_S:
+        # at 10 minutes it would take half of the budget's pipeline, and with it the data τ is bought with
+        return None, (f"a {minutes:g}-minute budget: auto needs {LIVE_MIN_BUDGET * LIVE_CHECK_S / 60:.0f} minutes; "
+                      f"--live on forces it, keeping {LIVE_CHECK_S:.0f} s")
     if settings.vllm_command:
         return settings.vllm_command, f"EYAS_VLLM_COMMAND, {LIVE_CHECK_S:.0f} s kept for it"
     cpu = settings.device == "cpu" or (settings.device == "auto" and not _has_cuda())
@@ -224,12 +226,17 @@ def run_pipeline(args: argparse.Namespace) -> int:
     # generation: its share of what is left (synthesized prompts come a batch at a time, each answered before the
     # next is drawn: services/generator/gather.py)
     eval_cap = EVAL_SHARE * (end - time.time())
-    spec["finish_by"] = time.time() + first_shares(plan.seconds)["generate"] * (end - time.time())
+    generated_started = time.time()
+    spec["finish_by"] = generated_started + first_shares(plan.seconds)["generate"] * (end - generated_started)
     jobs += runner.run_job("generate", spec)
     generated = jobs[-1]
     if generated.state != "succeeded":
         return _unfinished(jobs, plan.seconds, replanned)
     samples = generated.metrics["completed"]
+    if not samples:  # nothing to extract or train on: stop here, saying why
+        print(f"generation answered no prompt in its {spec['finish_by'] - generated_started:.0f} s share: this "
+              "machine ran slower than its first seconds promised; give the run more minutes (--minutes)")
+        return _unfinished(jobs, plan.seconds, replanned)
     done = Done(samples, samples * PROMPT_TOKENS + generated.metrics["completion_tokens"])
     predicted = stage_seconds(rates, samples, max_tokens, eval_prompts, args.batch)["generate"]
     machine = scaled(rates, _speed(predicted, generated))

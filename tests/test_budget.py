@@ -144,26 +144,26 @@ def test_a_streaming_policy_reaches_the_extract_and_train_specs():
 
 
 def test_the_live_check_is_on_where_vllm_is_installed_and_the_budget_has_room(tmp_path):
-    """--live auto: on with a vLLM environment and a budget over twice the live check's reserve (fp32 and eager on a
+    """--live auto: on with a vLLM environment and a budget of LIVE_MIN_BUDGET times the live check's reserve (fp32 and eager on a
     CPU); off without one, on a short budget, or for --method auto; --live on without vLLM is an error naming it."""
     from eyas.settings import Settings
-    from orchestration.budget import LIVE_CHECK_S
+    from orchestration.budget import LIVE_CHECK_S, LIVE_MIN_BUDGET
 
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.touch()
     cpu = Settings(vllm_python=python, device="cpu")
-    command, _ = live_command("auto", cpu, 10, "eagle3")
+    command, _ = live_command("auto", cpu, 30, "eagle3")
     assert command is not None and command.split()[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     assert "--dtype float32 --enforce-eager" in command
-    assert live_command("auto", cpu, 2 * LIVE_CHECK_S / 60 - 0.1, "eagle3")[0] is None
+    assert live_command("auto", cpu, LIVE_MIN_BUDGET * LIVE_CHECK_S / 60 - 0.1, "eagle3")[0] is None
     assert live_command("on", cpu, 1, "eagle3")[0] == command
-    assert live_command("off", cpu, 10, "eagle3") == (None, "--live off")
-    assert live_command("auto", cpu, 10, "auto")[0] is None
+    assert live_command("off", cpu, 30, "eagle3") == (None, "--live off")
+    assert live_command("auto", cpu, 30, "auto")[0] is None
     operator = Settings(vllm_python=python, vllm_command="my-vllm --dtype half")
-    assert live_command("auto", operator, 10, "eagle3")[0] == "my-vllm --dtype half"
+    assert live_command("auto", operator, 30, "eagle3")[0] == "my-vllm --dtype half"
     missing = Settings(vllm_python=tmp_path / "none" / "python")
-    assert live_command("auto", missing, 10, "eagle3") == (None, "no vLLM environment installed "
+    assert live_command("auto", missing, 30, "eagle3") == (None, "no vLLM environment installed "
                                                                  "(scripts/install-vllm.sh)")
     with pytest.raises(SystemExit, match="--live on: no vLLM environment"):
         live_command("on", missing, 10, "eagle3")
