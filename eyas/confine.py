@@ -122,7 +122,7 @@ class Policy:
         for entry in endpoints:
             if entry != "*":
                 _endpoint_alternative(entry)  # a malformed entry fails here, when the process starts
-        return cls(roots=tuple(roots), buckets=allowed_buckets(settings), endpoints=None if "*" in endpoints else tuple(endpoints))
+        return cls(roots=tuple(roots), buckets=settings.job_buckets, endpoints=None if "*" in endpoints else tuple(endpoints))
 
     def pattern(self, marker: Names) -> str:
         """The one regular expression a value of a field marked `marker` must match (anchored at both ends)."""
@@ -212,11 +212,6 @@ class Policy:
         forms.append("an absolute path under an input root" if self.roots else
                      "no local path (no input roots are configured)")
         return ", ".join(forms)
-
-
-def allowed_buckets(settings: Settings) -> tuple[str, ...]:
-    """The buckets a job may name, and the only ones the service's S3 credentials are used for."""
-    return tuple(dict.fromkeys([settings.s3_bucket, *settings.allowed_buckets]))
 
 
 def _endpoint_alternative(entry: str) -> str:

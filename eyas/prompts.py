@@ -193,7 +193,7 @@ def load_prompt_source(source: str, settings: Settings | None = None) -> list[Pr
     """The prompts of a source a spec names: a file, bundled:NAME, or an s3:// object (read with `settings`, under
     its own file name: prompt ids derive from it and must not change between runs)."""
     if source.startswith("s3://"):
-        from eyas.store import open_artifact  # (the store's confinement reads this module)
+        from eyas.store import open_artifact  # the store and its settings only for a prompt file in S3
 
         bucket_uri, _, name = source.rpartition("/")
         with tempfile.TemporaryDirectory(prefix="eyas-prompts-") as tmp:

@@ -108,6 +108,11 @@ class Settings(BaseSettings):
     def store_root(self) -> Path:
         return self.workdir / "store"
 
+    @property
+    def job_buckets(self) -> tuple[str, ...]:
+        """The buckets a job may name, and the only ones the service's S3 credentials are used for."""
+        return tuple(dict.fromkeys([self.s3_bucket, *self.allowed_buckets]))
+
 
 @lru_cache
 def get_settings() -> Settings:

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from eyas.confine import allowed_buckets
 from eyas.keys import safe_key
 from eyas.settings import Settings
 
@@ -255,7 +254,7 @@ def open_artifact(uri: str, settings: Settings | None = None) -> Artifact:
         if settings is None:
             raise ValueError(f"{uri}: opening an s3:// artifact needs the S3 settings")
         bucket, _, prefix = uri[len("s3://"):].partition("/")
-        if bucket not in allowed_buckets(settings):
+        if bucket not in settings.job_buckets:
             raise PermissionError(f"{uri}: bucket {bucket!r} is not allowed (EYAS_S3_BUCKET, EYAS_ALLOWED_BUCKETS)")
         return Artifact(S3Store(settings, bucket=bucket), prefix)
     if uri.startswith("file://"):
