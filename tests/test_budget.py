@@ -154,7 +154,8 @@ def test_the_live_check_is_on_where_vllm_is_installed_and_the_budget_has_room(tm
     python.touch()
     cpu = Settings(vllm_python=python, device="cpu")
     command, _ = live_command("auto", cpu, 30, "eagle3")
-    assert command is not None and command.split()[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert command is not None and command.split()[1:5] == ["VLLM_CPU_KVCACHE_SPACE=2", str(python), "-m",
+                                                            "vllm.entrypoints.openai.api_server"]
     assert "--dtype float32 --enforce-eager" in command
     assert live_command("auto", cpu, LIVE_MIN_BUDGET * LIVE_CHECK_S / 60 - 0.1, "eagle3")[0] is None
     assert live_command("on", cpu, 1, "eagle3")[0] == command

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -201,3 +202,22 @@ def test_report_files_from_a_measured_report(tmp_path):
     assert reports.expected_acceptance_length([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
     with pytest.raises(ValueError, match="per_position_acceptance"):
         reports.build({k: v for k, v in report.items() if k != "per_position_acceptance"}, history)
+
+
+def test_a_live_check_whose_vllm_does_not_start_is_a_finding_in_the_report(pipeline, tmp_path):
+    """The operator's vLLM command exits (here: a script that fails as vLLM-CPU does when the host's memory is
+    short): the evaluation still succeeds on in-process step times, and the report says why nothing was measured
+    live."""
+    emb, drafter, _ = pipeline
+    script = tmp_path / "server.py"
+    script.write_text("import sys\nprint('ValueError: Available memory on node 0 (11.59/23.54 GiB) on startup is "
+                      "less than desired CPU memory utilization')\nsys.exit(1)\n")
+    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": f"{sys.executable} {script}"}))
+    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 8,
+                                        "second_prompts": None})
+    assert job.state == "succeeded", job.error
+    out = open_artifact(job.artifacts["output"])
+    serving = json.loads(out.get_bytes("report.json"))["serving"]
+    assert "root cause: ValueError: Available memory on node 0" in serving["live_error"]
+    assert "live_check" not in serving and "in-process transformers forward" in serving["source"]["target"]
+    assert "live check on vLLM</th><td>not run to the end: vLLM" in out.get_bytes("report.html").decode()

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from services.evaluator.launch import NotServing
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import PromptIds
 
@@ -48,7 +49,7 @@ def measure_free(prompts: list[PromptIds], max_tokens: int, baseline_tok_s: dict
                                  "tau": run["acceptance_length"],
                                  "accepted_per_output_token": run["accepted"] / run["tokens"] if run["tokens"] else None,
                                  "why": None})
-        except RuntimeError as e:  # launch.vllm: the server exited or never served; its log's root cause
+        except NotServing as e:  # its log's root cause
             rows.append({"method": name, "served": False, "concurrency": None, "config": config, "tok_s": None,
                          "speedup": None, "tau": None, "accepted_per_output_token": None,
                          "why": str(e).split("\n", 1)[0][-400:]})

@@ -390,10 +390,21 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
     command = ctx.settings.vllm_command
+    live_error = None
+
+    def start(config: dict | None = None) -> str | None:
+        """A vLLM server this check starts; None, with the reason kept for the report, when it does not serve:
+        the check is a finding, not a reason to lose the evaluation."""
+        nonlocal live_error
+        try:
+            return servers.enter_context(launch.vllm(command, resolve_target(spec.target), config, check=ctx.check))
+        except launch.NotServing as e:
+            live_error = str(e).split("\n", 1)[0][-600:]
+            log.warning("live check: %s", live_error)
+            return None
+
     with contextlib.ExitStack() as servers:
-        endpoint = spec.endpoint or (servers.enter_context(launch.vllm(command, resolve_target(spec.target),
-                                                                       check=ctx.check))
-                                     if command else None)
+        endpoint = spec.endpoint or (start() if command else None)
         times, bounds, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint,
                                                         api_key, ctx.check)
         out = {**measured, **serving.predict(times, bounds, per_k, len(prompts), model, method, spec.k)}
@@ -404,8 +415,7 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:
             config = method.speculative_config(str(subject.local / served), out["best"][0]["k"] or spec.k)
-            spec_endpoint = servers.enter_context(launch.vllm(command, resolve_target(spec.target), config,
-                                                              check=ctx.check))
+            spec_endpoint = start(config) if endpoint else None
         if endpoint and spec_endpoint:
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
                                      "started": [name for name, given in (("plain", spec.endpoint),
@@ -421,6 +431,8 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
             api_key, ctx.check)
         out["served"] = alternatives.choose(out["live_check"], out["alternatives"])
         out["predicted_decision"], out["decision"] = out["decision"], alternatives.served_decision(out["served"][0])
+    if live_error:
+        out["live_error"] = live_error
     return out
 
 

@@ -24,6 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class NotServing(RuntimeError):
+    """The server exited or did not answer /health in time (the message has its log's root cause and tail)."""
+
+
 @contextlib.contextmanager
 def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, ready_s: float = READY_S, *,
          check: Callable[[], None]) -> Iterator[str]:
@@ -45,7 +49,7 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
                     text = log.read().decode(errors="replace")
-                    raise RuntimeError(f"vLLM ({args[0]} …) not serving on {url} "
+                    raise NotServing(f"vLLM ({args[0]} …) not serving on {url} "
                                        f"({'exited ' + str(proc.returncode) if proc.poll() is not None else 'timeout'})"
                                        f"; root cause: {root_cause(text)}:\n{text[-2000:]}")
                 time.sleep(1.0)

@@ -351,6 +351,7 @@ class Serving(_Model):
     served: list[ServedChoice] | None = _absent("the fastest measured per live concurrency; absent "
                                                 "without alternatives")
     predicted_decision: str | None = _absent("the prediction's sentence, when `decision` is the measured one")
+    live_error: str | None = _absent("why a vLLM server the live check started did not serve; absent when all did")
 
 
 class Answer(_Model):

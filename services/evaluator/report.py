@@ -223,6 +223,8 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
                ("their noise", _noise_text(noise.get("target"))),
                ("drafter step times", serving["source"]["drafter"]),
                ("their noise", _noise_text(noise.get("drafter")))]
+    if serving.get("live_error"):
+        summary.append(("live check on vLLM", f"not run to the end: {serving['live_error']}"))
     parts = ["<h2>Serving: predicted speed-up per concurrency and K</h2>",
              "<p>Speed-up of speculative over plain decoding in tokens/s, predicted from τ(K) and the step times "
              "below; in brackets, its range within the step times' noise.</p>", table, _table(summary)]
