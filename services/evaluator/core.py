@@ -390,7 +390,7 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
     command = ctx.settings.vllm_command
-    live_error = None
+    live_error, live_tokens = None, min(spec.max_new_tokens, serving.LIVE_MAX_TOKENS)
 
     def start(config: dict | None = None) -> str | None:
         """A vLLM server this check starts; None, with the reason kept for the report, when it does not serve:
@@ -420,13 +420,13 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
                                      "started": [name for name, given in (("plain", spec.endpoint),
                                                                           ("spec", spec.spec_endpoint)) if not given]}
-            out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], spec.max_new_tokens, endpoint,
+            out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], live_tokens, endpoint,
                                                    spec_endpoint, times, per_k, api_key, ctx.check)
     if command and out.get("live_check"):
         # after the drafter's servers stopped: one vLLM at a time on the host
         baseline = {r["concurrency"]: r["baseline_tok_s"] for r in out["live_check"]}
         out["alternatives"] = alternatives.measure_free(
-            prompts[:serving.LIVE_PROMPTS], spec.max_new_tokens, baseline,
+            prompts[:serving.LIVE_PROMPTS], live_tokens, baseline,
             lambda config: launch.vllm(command, resolve_target(spec.target), config, check=ctx.check),
             api_key, ctx.check)
         out["served"] = alternatives.choose(out["live_check"], out["alternatives"])

