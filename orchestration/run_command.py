@@ -149,19 +149,15 @@ def live_command(live: str, settings: Settings, minutes: float, method: str) -> 
                       f"--live on forces it, keeping {LIVE_CHECK_S:.0f} s")
     if settings.vllm_command:
         return settings.vllm_command, f"EYAS_VLLM_COMMAND, {LIVE_CHECK_S:.0f} s kept for it"
-    cpu = settings.device == "cpu" or (settings.device == "auto" and not _has_cuda())
+    from eyas.device import compute_device
+
+    cpu = compute_device(settings.device).type == "cpu"
     # on a CPU, vLLM sizes its KV cache from a share of the host's memory and refuses to start when less than that
     # share is free (beside this process, the target and its drafter): a fixed space, as the tests' servers have
     kv = ["env", f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')}"] if cpu else []
     command = [*kv, str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048", "--seed",
                "0", *(["--dtype", "float32", "--enforce-eager"] if cpu else [])]
     return shlex.join(command), f"vLLM from {python}, {LIVE_CHECK_S:.0f} s kept for it"
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
