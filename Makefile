@@ -21,6 +21,7 @@ lint: .venv/.installed
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 	.venv/bin/vulture eyas services orchestration tests vulture_allow.py --min-confidence 60
+	.venv/bin/mypy
 
 test: .venv/.installed
 	./scripts/install-vllm.sh

@@ -39,13 +39,15 @@ def collate(samples: list[Sample], tops: list[torch.Tensor] | None = None) -> Ba
     mask = torch.zeros(B, T, dtype=torch.int64)
     aux = torch.zeros(B, T, first.aux_hidden.shape[-1], dtype=first.aux_hidden.dtype)
     final = torch.zeros(B, T, first.final_hidden.shape[-1], dtype=first.final_hidden.dtype)
-    top = torch.zeros(B, T, dtype=torch.int64) if tops is not None else None
     for b, s in enumerate(samples):
         n = s.input_ids.numel()
         ids[b, :n], mask[b, :n] = s.input_ids, s.loss_mask
         aux[b, :n], final[b, :n] = s.aux_hidden, s.final_hidden
-        if top is not None:
-            top[b, :n] = tops[b]
+    top = None
+    if tops is not None:
+        top = torch.zeros(B, T, dtype=torch.int64)
+        for b, t in enumerate(tops):
+            top[b, : lengths[b]] = t
     return Batch(ids, mask, lengths, aux, final, top)
 
 

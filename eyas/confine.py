@@ -21,7 +21,7 @@ import errno
 import os
 import re
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -247,7 +247,7 @@ def redact(url: str | None) -> str | None:
     return re.split(r"[?#]", masked(url), maxsplit=1)[0].replace("***@", "")
 
 
-def _marker(annotation: Any, metadata: list[Any] = ()) -> Names | None:
+def _marker(annotation: Any, metadata: Sequence[Any] = ()) -> Names | None:
     for m in metadata:
         if isinstance(m, Names):
             return m

@@ -99,7 +99,7 @@ class LocalLimit:
         self._admit()
         await self._line.wait(fut)
 
-    async def release(self, token: None) -> None:
+    async def release(self, token: str | None) -> None:  # a local limit hands out no tokens
         self._give_back()
 
     async def in_flight(self) -> int:

@@ -30,6 +30,12 @@ class GrowingKVLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in a buffer of `capacity` positions (doubled if a step outgrows it);
     `keys` / `values` are views of the filled part: [batch, kv_heads, filled, head_dim]."""
 
+    # set by lazy_initialization, before anything reads them (DynamicLayer types them as optional)
+    keys: torch.Tensor
+    values: torch.Tensor
+    _k: torch.Tensor | None  # the buffers: None until the first update allocates them
+    _v: torch.Tensor | None
+
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity = capacity
@@ -43,23 +49,25 @@ class GrowingKVLayer(DynamicLayer):
     def filled(self) -> int:
         return self.keys.shape[-2]
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         cap = max(self.capacity, need, 2 * self.filled)
         new_k = self.keys.new_empty(*self.keys.shape[:2], cap, self.keys.shape[-1])
         new_v = self.values.new_empty(*self.values.shape[:2], cap, self.values.shape[-1])
         new_k[:, :, :self.filled] = self.keys
         new_v[:, :, :self.filled] = self.values
         self._k, self._v, self.capacity = new_k, new_v, cap
+        return new_k, new_v
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.filled + key_states.shape[-2]
-        if self._k is None or end > self._k.shape[-2]:
-            self._grow(end)
-        self._k[:, :, self.filled:end] = key_states
-        self._v[:, :, self.filled:end] = value_states
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        k, v = self._k, self._v
+        if k is None or v is None or end > k.shape[-2]:
+            k, v = self._grow(end)
+        k[:, :, self.filled:end] = key_states
+        v[:, :, self.filled:end] = value_states
+        self.keys, self.values = k[:, :, :end], v[:, :, :end]
         return self.keys, self.values
 
     def write_rows(self, rows: torch.Tensor, batch: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -70,13 +78,15 @@ class GrowingKVLayer(DynamicLayer):
             self.capacity = max(self.capacity, end)
             self._k = keys.new_zeros(batch, keys.shape[1], self.capacity, keys.shape[-1])
             self._v = values.new_zeros(batch, values.shape[1], self.capacity, values.shape[-1])
-        self._k[rows, :, end - keys.shape[-2]:end] = keys
-        self._v[rows, :, end - values.shape[-2]:end] = values
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        k, v = self._k, self._v
+        assert k is not None and v is not None, "a layer prefilled in parts is written by write_rows from the start"
+        k[rows, :, end - keys.shape[-2]:end] = keys
+        v[rows, :, end - values.shape[-2]:end] = values
+        self.keys, self.values = k[:, :, :end], v[:, :, :end]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows `indices` (rows that ended leave): copies the filled part once."""
-        if self.is_initialized and self._k is not None:
+        if self.is_initialized and self._k is not None and self._v is not None:
             filled = self.filled
             self._k, self._v = self._k[indices], self._v[indices]
             self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]

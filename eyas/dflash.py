@@ -156,10 +156,11 @@ class DFlashDrafter(nn.Module):
         self.lm_head.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        layers = [DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         if cfg.tie_k_norm:
-            for layer in self.layers[1:]:
-                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
+            for layer in layers[1:]:
+                layer.self_attn.k_norm = layers[0].self_attn.k_norm
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
 
@@ -171,7 +172,8 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, aux, positions):
         """aux [B, T, n_aux·H_t], positions [B, T] → per layer (k, v) [B, nkv, T, hd] of the context states."""
         c = self.hidden_norm(self.fc(aux))
-        return [layer.self_attn.kv(c, positions, self.rotary) for layer in self.layers]
+        # nn.ModuleList types its items as Module: each is a DFlashLayer
+        return [layer.self_attn.kv(c, positions, self.rotary) for layer in self.layers]  # type: ignore[union-attr,operator]
 
     def blocks(self, aux, anchors, anchor_tokens):
         """Draft blocks in one forward.

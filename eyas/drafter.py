@@ -91,8 +91,9 @@ class DrafterConfig(TargetShape):
         of aux layers the features concatenate (the layout's); `parallel`, P-EAGLE (its mask token is the target
         vocabulary's last id); `norms`, EAGLE 3.1's flags."""
         vocab = target_config.vocab_size
-        return cls(**TargetShape.of(target_config), draft_vocab_size=min(draft_vocab_size, vocab), num_aux=num_aux,
-                   mask_token_id=vocab - 1 if parallel else None, **norms)
+        shape: dict[str, Any] = {**TargetShape.of(target_config), **norms}
+        return cls(**shape, draft_vocab_size=min(draft_vocab_size, vocab), num_aux=num_aux,
+                   mask_token_id=vocab - 1 if parallel else None)
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +115,7 @@ def rotate_half(x):
 
 
 class Rotary(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: TargetShape):  # the target's shape is all it reads (DFlash shares it)
         super().__init__()
         hd, theta = cfg.head_dim, cfg.rope_theta
         inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # [hd/2]
@@ -195,7 +196,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: TargetShape):  # the target's shape is all it reads (DFlash shares it)
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -222,6 +223,10 @@ class MidLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    # buffers, declared so a type checker sees tensors (nn.Module's __getattr__ returns Tensor | Module)
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
@@ -251,7 +256,7 @@ class Drafter(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, -1), strict=True)], -1)
         return self.fc(aux)
 
-    def feed(self, tokens, hidden):
+    def feed(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a draft step after the first takes, given the previous step's tokens [B, T] (the chain's draft or
         teacher-forced token) and output state [B, T, H]: those (EAGLE-3), or the mask token and fc(mask_hidden) at
         every index (P-EAGLE)."""
@@ -260,7 +265,8 @@ class Drafter(nn.Module):
         mask = self.project(self.mask_hidden.to(hidden.dtype))  # [H]
         return torch.full_like(tokens, self.cfg.mask_token_id), mask.expand_as(hidden)
 
-    def step(self, input_ids, hidden, position_ids, cache: TTTCache):
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: TTTCache) -> torch.Tensor:
         """One draft step: returns the hidden state [B, T, H] fed back to the next step (pre-norm; post-norm under
         norm_output)."""
         h = self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, cache)

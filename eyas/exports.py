@@ -216,10 +216,10 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
     if MASK_HIDDEN in renamed:  # the speculators library's parameter is [1, 1, n_aux·H_t]
         renamed[MASK_HIDDEN] = renamed[MASK_HIDDEN].reshape(1, 1, -1).contiguous()
     written = []
-    for sub, cfg, weights in ((EAGLE_DIR, eagle_cfg, tensors), (SPECULATORS_DIR, spec_cfg, renamed)):
+    for sub, config, saved in ((EAGLE_DIR, eagle_cfg, tensors), (SPECULATORS_DIR, spec_cfg, renamed)):
         (out / sub).mkdir(parents=True, exist_ok=True)
-        (out / sub / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(weights, str(out / sub / WEIGHTS), metadata={"format": "pt"})
+        (out / sub / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(saved, str(out / sub / WEIGHTS), metadata={"format": "pt"})
         written += [Path(sub) / CONFIG, Path(sub) / WEIGHTS]
     return written, unsupported
 

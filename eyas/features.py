@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load, load_file, save, save_file
@@ -227,9 +228,16 @@ class FeatureReader:
         self.stop = stop or threading.Event()  # set by the caller (a cancel): stop waiting as well
         self.stream: StreamPlan | None = read_plan(artifact)
         self.manifest: Manifest | None = None
-        if self.stream is None or artifact.exists(MANIFEST):
+        if self.stream is None:
             self.manifest = read_manifest(artifact, kind="features")
-        layout = self.manifest.layout if self.manifest else self.stream.layout
+            layout = self.manifest.layout
+            self.sizes = {n: e.bytes for n, e in sorted(self.manifest.files.items()) if n.startswith(SHARD_PREFIX)}
+        else:  # announced, so the plan gives the shards; the manifest, once the extractor finished
+            self.manifest = read_manifest(artifact, kind="features") if artifact.exists(MANIFEST) else None
+            layout = self.manifest.layout if self.manifest else self.stream.layout
+            self.sizes = self.stream.sizes
+        facts = self.manifest.features if self.manifest is not None else self.stream
+        self.chat_template_kwargs: dict[str, Any] = facts.chat_template_kwargs if facts else {}
         if not layout:
             raise ValueError(f"{artifact.uri}: features manifest carries no layout")
         self.layout = Layout.from_dict(layout)
@@ -238,22 +246,12 @@ class FeatureReader:
                                  f"which this reader does not read (it reads {list(FEATURE_DTYPES)})")
         if expected is not None:
             check_layout(expected, self.layout, what=f"features {artifact.uri}")
-        if self.stream is not None:
-            self.sizes = self.stream.sizes
-        else:
-            self.sizes = {n: e.bytes for n, e in sorted(self.manifest.files.items()) if n.startswith(SHARD_PREFIX)}
         self.shards = list(self.sizes)  # artifact order
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="eyas-features-")
             cache_dir = Path(self._tmp.name)
         self.cache_dir = Path(cache_dir)
-
-    @property
-    def chat_template_kwargs(self) -> dict:
-        if self.manifest is not None:
-            return self.manifest.features.chat_template_kwargs if self.manifest.features else {}
-        return self.stream.chat_template_kwargs
 
     def index(self) -> Index:
         return Index.from_bytes(self.artifact.get_bytes(INDEX))

@@ -83,7 +83,7 @@ class StreamPlan(BaseModel):
         """(global window, epoch, window, shard) of everything the extractor produces, in order."""
         out, g = [], 0
         for epoch in range(self.epochs):
-            for w, window in enumerate(self.windows(epoch)):
+            for w, window in enumerate(self.windows(epoch) or []):  # None: an epoch not produced
                 out += [(g, epoch, w, name) for name in window]
                 g += 1
         return out
@@ -144,7 +144,9 @@ def release(artifact: Artifact, plan: StreamPlan, epoch: int, w: int) -> None:
     say so. Idempotent, so a resumed trainer calls it again for every window before its position."""
     if artifact.exists(consumed_marker(epoch, w)):
         return
-    for name in plan.windows(epoch)[w]:
+    windows = plan.windows(epoch)
+    assert windows is not None, "a recompute plan produces every epoch"
+    for name in windows[w]:
         obj = plan.object_name(epoch, name)
         artifact.store.delete_prefix(artifact.key(obj))
         artifact.store.delete_prefix(artifact.key(READY + obj + ".json"))

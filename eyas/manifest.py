@@ -22,6 +22,20 @@ from eyas.store import Artifact
 MANIFEST = "manifest.json"
 
 
+@lru_cache
+def code_version() -> str:
+    from eyas import __version__
+
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        sha = ""
+    return f"{__version__}+{sha}" if sha else __version__
+
+
 class FileEntry(BaseModel):
     sha256: str
     bytes: int
@@ -64,7 +78,7 @@ class Manifest(BaseModel):
     kind: str  # dataset | features | drafter | report
     id: str
     created_at: float = Field(default_factory=time.time)
-    code_version: str = Field(default_factory=lambda: code_version())
+    code_version: str = Field(default_factory=code_version)
     job_spec: dict[str, Any] = {}
     inputs: list[str] = []
     counts: dict[str, int] = {}
@@ -79,20 +93,6 @@ class Manifest(BaseModel):
 
 class IncompleteArtifact(RuntimeError):
     pass
-
-
-@lru_cache
-def code_version() -> str:
-    from eyas import __version__
-
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        sha = ""
-    return f"{__version__}+{sha}" if sha else __version__
 
 
 def sha256_file(path: Path) -> str:

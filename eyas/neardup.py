@@ -6,6 +6,7 @@ prompts out of training data, and the evaluator's refusal to score on trained pr
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _WORD = re.compile(r"[a-z0-9]+")
 NEAR_DUP_THRESHOLD = 0.7
@@ -31,7 +32,7 @@ def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
 class NearDupIndex:
     """Texts seen so far; `find(text)` returns the first one that equals or nearly equals `text`."""
 
-    def __init__(self, texts: list[str] = (), threshold: float = NEAR_DUP_THRESHOLD):
+    def __init__(self, texts: Iterable[str] = (), threshold: float = NEAR_DUP_THRESHOLD):
         self.threshold = threshold
         self._exact: dict[str, str] = {}
         self._shingles: list[tuple[frozenset[str], str]] = []

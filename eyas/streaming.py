@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -64,7 +64,7 @@ class WindowCache:
             log.warning("prefetch failed (%s); fetching in the foreground", self._failed)
             self._failed = None
 
-    def enter(self, window: list[str], upcoming: list[str] = ()) -> dict[str, Path]:
+    def enter(self, window: list[str], upcoming: Sequence[str] = ()) -> dict[str, Path]:
         self._join()
         keep = set(window) | set(upcoming)
         for path in self.cache_dir.iterdir():  # what neither this window nor the next needs, before fetching more
@@ -165,10 +165,12 @@ class FeatureStream:
     def release_before(self, seed: int, epoch: int, w: int) -> None:
         """(recompute) Delete every window before window w of `epoch` and say so to the extractor
         (eyas.handoff.release); called after a checkpoint past them is committed."""
-        for e in range(min(epoch + 1, self.epochs_available())):
+        stream = self.reader.stream
+        assert stream is not None and stream.policy == "recompute", "only a recompute hand-off deletes shards"
+        for e in range(min(epoch + 1, stream.epochs)):
             for v in range(len(self.windows(seed, e)) if e < epoch else w):
                 if (e, v) not in self._released:
-                    release(self.reader.artifact, self.reader.stream, e, v)
+                    release(self.reader.artifact, stream, e, v)
                     self._released.add((e, v))
 
     def shard_of(self, index: int) -> str:
@@ -178,7 +180,8 @@ class FeatureStream:
         """Load window w of `epoch`; fetch the next one (the next epoch's first, after the last) meanwhile."""
         windows = self.windows(seed, epoch)
         upcoming, upcoming_epoch = (windows[w + 1], epoch) if w + 1 < len(windows) else ([], epoch + 1)
-        if not upcoming and (self.epochs_available() is None or epoch + 1 < self.epochs_available()):
+        available = self.epochs_available()
+        if not upcoming and (available is None or epoch + 1 < available):
             upcoming = self.windows(seed, epoch + 1)[0]
         # which epoch's object each shard not held locally comes from (one held is read again: the same samples)
         for name in windows[w]:

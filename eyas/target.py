@@ -94,7 +94,9 @@ def resolve_target(target: str) -> Path:
 class Target:
     name: str
     path: Path
-    model: torch.nn.Module  # a *ForCausalLM with .model.layers, .model.norm, .lm_head
+    # a *ForCausalLM with .model.layers, .model.norm, .lm_head; Any, since a Module's attributes type as
+    # Tensor | Module and transformers' model classes are not typed more precisely
+    model: Any
     tokenizer: object
 
     @property
@@ -176,7 +178,7 @@ def load_target(target: str = BUNDLED, placement: Placement = CPU) -> Target:
         kwargs["device_map"] = device_map(weight_bytes(path, placement.dtype), gpu, placement.device)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if placement.device.type != "cuda":
-        model.to(placement.device)
+        model.to(placement.device)  # type: ignore[arg-type]  # transformers' decorated .to types its first argument as the model
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     for attr in ("layers", "norm", "embed_tokens"):

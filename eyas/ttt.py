@@ -119,7 +119,8 @@ def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, st
         n = max(T - s, 0)  # indices with a label inside the row
         tokens = torch.zeros_like(ids)
         tokens[:, :n] = ids[:, s:]
-        hidden = drafter.step(*(drafter.feed(tokens, hidden) if k else (tokens, hidden)), positions + k, cache)
+        fed, state = drafter.feed(tokens, hidden) if k else (tokens, hidden)
+        hidden = drafter.step(fed, state, positions + k, cache)
         mask = lmask[:, k: k + n].bool() & usable[:, s:]  # [B, n]
         # The lm_head runs only on masked positions (no prompt, no padding): it is the costliest matmul.
         head = (drafter, hidden[:, :n][mask], p[:, s:][mask], p_top[:, s:][mask])

@@ -72,6 +72,7 @@ class Eagle3(DraftingMethod):
 
     def build(self, spec: Any, target: str, layout: Layout, embed: torch.Tensor, head: torch.Tensor,
               used: torch.Tensor | None) -> Drafter:
+        assert used is not None, "draft_vocab: the trainer selects the draft vocabulary's ids for EAGLE-3"
         return build_drafter(target, spec.draft_vocab_size, layout, embed, used, **self.architecture(spec))
 
     def objective(self, drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, steps: int, decay: float,
