@@ -215,3 +215,16 @@ def test_mistral_older_template_without_a_system_role():
     assert [t for t, m in _tokens(tok, sample) if m] == ["4", "</s>", "6", "</s>"]
     with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
         render_conversation(tok, NO_REASONING)
+
+
+def test_mistral_v03_template_refuses_a_system_prompt_folded_into_the_last_user_turn():
+    """v0.3's template puts the system prompt in the last user turn: the prompt each turn was generated after is
+    then no prefix of the conversation, so the renderer refuses it (the extractor counts it unrenderable) rather than
+    train an answer in a context the server never sent; without a system message it renders as v0.2's."""
+    tok = build_tokenizer(FAMILIES["mistral"])
+    tok.chat_template = tok.chat_template.replace("loop.first and system_message", "loop.last and system_message")
+    assert "[INST] Be brief.\n\nAnd 3+3? [/INST]" in render_prompt_text(tok, NO_REASONING[:4])
+    with pytest.raises(RenderError, match="turn 4"):
+        render_conversation(tok, NO_REASONING)
+    [sample] = render_conversation(tok, NO_REASONING[1:])
+    assert [t for t, m in _tokens(tok, sample) if m] == ["4", "</s>", "6", "</s>"]
