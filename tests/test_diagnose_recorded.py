@@ -132,3 +132,14 @@ def test_a_variant_within_the_noise_is_cannot_tell_with_the_numbers():
     # every variant clearly worse: then, and only then, nothing is mis-wired
     sentence, _ = verdict(_rows(tried, [1.5, 1.2, 1.1]), None, None, [], None)
     assert sentence.startswith("no mis-wiring found: τ 1.500 in-process")
+
+
+def test_a_recorded_layout_of_another_target_is_named(tmp_path):
+    """Ids that agree with the recorded layout, but a target whose config differs from the one it records."""
+    exported = _exported(_configs(_layout())["eagle"], tmp_path)
+    target = SimpleNamespace(name="other", config_hash="not-c", tokenizer_hash="k", num_layers=L, hidden_size=64,
+                             config=SimpleNamespace(vocab_size=1024, architectures=ARCH))
+    _recorded_checks(exported, target)
+    [finding] = exported.static
+    assert "target_config_hash: expected 'c', got 'not-c'" in finding and finding.endswith("with that target")
+    assert exported.recorded_aux is None  # no layer ids would fix it
