@@ -184,9 +184,11 @@ def _recorded_variant(exported: Exported, tried: list[Variant]) -> list[Variant]
     aux = exported.recorded_aux
     if aux is None or aux == exported.aux_layers:  # only SGLang's ids contradict it: τ here is vLLM's reading
         return tried
-    if any(v.aux_layers == aux and v.name.startswith("aux ids") for v in tried):
-        return [replace(v, recorded=True) if v.aux_layers == aux and v.name.startswith("aux ids") else v
-                for v in tried]
+    def feeds_them(v: Variant) -> bool:  # a shift of the configured ids that reads the recorded layers
+        return v.aux_layers == aux and v.name.startswith("aux ids")
+
+    if any(map(feeds_them, tried)):
+        return [replace(v, recorded=True) if feeds_them(v) else v for v in tried]
     vllm_ids = [i + 1 for i in aux]
     return [*tried, Variant(
         "as recorded", f"the config's aux ids contradict its eyas_layout, which records out({', '.join(map(str, aux))})",
