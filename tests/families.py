@@ -1,4 +1,4 @@
-"""Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss — each built
+"""Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss, Mistral — each built
 here from a config in code, with a tokenizer trained here (the family's special tokens, a word-level vocabulary)
 and a chat template of that family's shape (nothing from a model hub). A few layers and a small width keep every stage, and vLLM-CPU, quick.
 
@@ -10,6 +10,9 @@ The templates follow the real ones where Eyas depends on them:
   gpt-oss  harmony: `<|start|>ROLE<|channel|>CH<|message|>…<|end|>`; the analysis channel (`thinking`) rendered
            only for a final assistant turn, which ends with `<|return|>` (eos) instead of `<|end|>`;
            `reasoning_effort` in the system header
+  mistral  `[INST] … [/INST]` turns, bos in the template, an answer is ` ` + content + `</s>` (eos), no generation
+           prompt of its own (the prompt ends with `[/INST]`); no system role: a system message is folded into the
+           first user turn (Mistral-7B-Instruct-v0.2's template; v0.1's raises on one); no reasoning
 """
 from __future__ import annotations
 
@@ -84,6 +87,24 @@ GPT_OSS_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 
+MISTRAL_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system_message is defined %}"
+    "{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' [INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial "
+    "optional system message!') }}{%- endif %}"
+    "{%- endfor %}"
+)
+
 # Sizes every family shares: 8 layers (so the default aux layers out(1), out(3), out(4) are distinct), H = 64,
 # head_dim 32 ≠ H / heads (as in Qwen3), GQA 4 query heads : 2 key/value heads. initializer_range 0.2 makes the
 # random logits decisive: greedy decoding then agrees between HF and vLLM kernels (no near-tie argmax).
@@ -146,6 +167,12 @@ FAMILIES = {
          "<|call|>", "<|constrain|>"],
         bos="<|startoftext|>", eos="<|return|>", stop=["<|return|>", "<|call|>"], template=GPT_OSS_TEMPLATE,
         pad="<|endoftext|>"),
+    "mistral": Family(
+        "mistral", "MistralConfig",
+        # sliding_window None: Mistral-7B v0.2 and later attend over the whole context
+        {**_SHARED, "intermediate_size": 128, "tie_word_embeddings": False, "sliding_window": None,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+        ["<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>", stop=["</s>"], template=MISTRAL_TEMPLATE),
 }
 
 
@@ -159,7 +186,8 @@ def _corpus(family: Family) -> list[str]:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting.", "thinking": "A greeting."}]
     template = jinja2.Environment().from_string(family.template)
-    rendered = [template.render(messages=messages, add_generation_prompt=False, bos_token="", **kwargs)
+    rendered = [template.render(messages=messages, add_generation_prompt=False, bos_token="", eos_token="",
+                                **kwargs)
                 for kwargs in ({}, {"reasoning_effort": "low"}, {"reasoning_effort": "high"})]
     for special in family.specials + family.added:  # tokenized apart from the words around them
         rendered = [r.replace(special, f" {special} ") for r in rendered]

@@ -1,4 +1,4 @@
-"""The families users serve, end to end on CPU: Llama-3, Qwen3 (thinking on and off), Qwen3-MoE and gpt-oss, each
+"""The families users serve, end to end on CPU: Llama-3, Qwen3 (thinking on and off), Qwen3-MoE, gpt-oss and Mistral, each
 a tiny random-weight target built here (tests/families.py).
 
 Per case: generate (in-process, multi-turn) → extract → train (a few steps) → export → evaluate, all through the
@@ -52,7 +52,10 @@ CASES = {
     "qwen3-no-thinking": ("qwen3", {"enable_thinking": False}),
     "qwen3-moe": ("qwen3-moe", {"enable_thinking": True}),
     "gpt-oss": ("gpt-oss", {"reasoning_effort": "low"}),
+    "mistral": ("mistral", {}),
 }
+# families whose chat template renders the history as each turn was generated: one sample per conversation
+UNSPLIT = {"llama3", "mistral"}
 # EAGLE 3.1's norms, trained and served in two cases, so that vLLM and the speculators library are checked
 # against Eyas's drafter with each flag (SGLang cannot serve them: the export says so)
 NORMS = {"qwen3-no-thinking": {"fc_norm": True, "norm_output": True}, "qwen3-moe": {"norm_before_fc": True}}
@@ -147,7 +150,7 @@ def test_generate_extract_train_export_evaluate(pipeline):
     counts = features.counts
     assert counts["samples"] == counts["conversations"] - counts["skipped_unrenderable"] + counts["split_conversations"]
     assert counts["skipped_unrenderable"] <= (1 if kwargs.get("enable_thinking") is False else 0)
-    assert (counts["split_conversations"] > 0) == (pipeline["family"] != "llama3")
+    assert (counts["split_conversations"] > 0) == (pipeline["family"] not in UNSPLIT)
     # the target's RoPE scaling (Llama-3's, gpt-oss's YaRN) is the drafter's too, in the config the engines read
     rope = json.loads((Path(pipeline["target"]) / "config.json").read_text())["rope_parameters"]
     eagle = json.loads((local_path(jobs["train"].artifacts["output"]) / "eagle" / "config.json").read_text())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import jinja2
 import pytest
 
 from eyas.render import RenderError, render_conversation, render_prompt_text
@@ -139,6 +140,9 @@ def test_without_reasoning(family_tok):
     if name == "llama3":  # the history renders each turn as it was generated: one sample for both
         assert len(samples) == 1
         assert [t for _, t in turns] == ["4<|eot_id|>", "6<|eot_id|>"]
+    elif name == "mistral":  # so does Mistral's: the system prompt stays in the first user turn
+        assert len(samples) == 1
+        assert [t for _, t in turns] == ["4</s>", "6</s>"]
     elif name.startswith("qwen3"):  # thinking on: the turn opens with its (empty) think block, the history does not
         assert len(samples) == 2 and [t for _, t in turns] == [
             "<think>\n\n</think>\n\n4<|im_end|>", "<think>\n\n</think>\n\n6<|im_end|>"]
@@ -171,3 +175,56 @@ def test_gpt_oss_reasoning_goes_to_the_analysis_channel():
     assert [t for _, t in _turns_as_served(tok, first, TWO_TURNS, {"reasoning_effort": "low"})] == [
         "<|channel|>analysis<|message|>Add three and three.<|end|><|start|>assistant<|channel|>final<|message|>6"
         "<|return|>"]
+
+
+# Mistral-7B-Instruct-v0.1's template: no system role (it raises on one), no space before an answer, one after eos
+MISTRAL_V01_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def _tokens(tok, r) -> list[tuple[str, int]]:
+    return list(zip(tok.convert_ids_to_tokens(r.input_ids), r.loss_mask, strict=True))
+
+
+def test_mistral_inst_turns_system_folded_into_the_first_user_turn():
+    """[INST] turns: every prompt token (bos, [INST] … [/INST], the system prompt the template folds into the first
+    user turn) 0; each answer and its </s> 1; both turns one sample, since the history renders them as generated."""
+    tok = build_tokenizer(FAMILIES["mistral"])
+    [sample] = render_conversation(tok, NO_REASONING)
+    assert sample.text == ("<s> [INST] Be brief.\n\nWhat is 2+2? [/INST] 4</s> [INST] And 3+3? [/INST] 6</s>")
+    assert [t for t, m in _tokens(tok, sample) if m] == ["4", "</s>", "6", "</s>"]
+    tokens = [t for t, _ in _tokens(tok, sample)]
+    assert tokens[:4] == ["<s>", "[INST]", "Be", "brief."] and tokens.count("[/INST]") == 2
+    # the server's prompt for the second turn is the sample up to its answer
+    assert sample.text.startswith(render_prompt_text(tok, NO_REASONING[:4]))
+
+
+def test_mistral_older_template_without_a_system_role():
+    """v0.1's template: the same masks without a system message (the space after </s> belongs to the next prompt);
+    a conversation with one is refused by the template itself, never rendered with the system prompt lost."""
+    tok = build_tokenizer(FAMILIES["mistral"])
+    tok.chat_template = MISTRAL_V01_TEMPLATE
+    [sample] = render_conversation(tok, NO_REASONING[1:])
+    assert sample.text == "<s>[INST] What is 2+2? [/INST]4</s> [INST] And 3+3? [/INST]6</s> "
+    assert [t for t, m in _tokens(tok, sample) if m] == ["4", "</s>", "6", "</s>"]
+    with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
+        render_conversation(tok, NO_REASONING)
+
+
+def test_mistral_v03_template_refuses_a_system_prompt_folded_into_the_last_user_turn():
+    """v0.3's template puts the system prompt in the last user turn: the prompt each turn was generated after is
+    then no prefix of the conversation, so the renderer refuses it (the extractor counts it unrenderable) rather than
+    train an answer in a context the server never sent; without a system message it renders as v0.2's."""
+    tok = build_tokenizer(FAMILIES["mistral"])
+    tok.chat_template = tok.chat_template.replace("loop.first and system_message", "loop.last and system_message")
+    assert "[INST] Be brief.\n\nAnd 3+3? [/INST]" in render_prompt_text(tok, NO_REASONING[:4])
+    with pytest.raises(RenderError, match="turn 4"):
+        render_conversation(tok, NO_REASONING)
+    [sample] = render_conversation(tok, NO_REASONING[1:])
+    assert [t for t, m in _tokens(tok, sample) if m] == ["4", "</s>", "6", "</s>"]

@@ -9,10 +9,14 @@ the same prompts three ways:
               with the drafter from Settings.vllm_command with `serve`)
   expected    from per-position teacher-forced accuracy: the training's promise (`expected_accuracy`, else an Eyas
               drafter's last validation)
+Before any τ, what the export's files record (Eyas's eyas_layout, the speculators config's verifier) is checked
+against the layer ids the engines will read from the same config and against the target: a contradiction is the
+verdict, with its fix (services.evaluator.wiring.recorded_contradictions).
 Then the known mis-wirings are tried in-process, one at a time (`variants`: aux ids shifted ±1, the aux blocks in
 another order, d2t holding target ids instead of offsets or missing, each norm flag ignored, the chat template's
 thinking mode toggled, zero states), and the verdict names the one that brings τ to what the drafter can do, or
-the one that explains what the engine measured, with the config change or serving flag that fixes it. The input is
+the one that explains what the engine measured, with the config change or serving flag that fixes it; where every
+variant that differs moves τ by less than the noise, it says it cannot tell at this τ, with the numbers. The input is
 never changed; `write_fixed` writes a fixed export into this job's artifact (fixed/; `--out DIR` puts the artifact
 in DIR).
 
@@ -56,6 +60,7 @@ from services.evaluator.diagnose_spec import K_MAX, Spec
 from services.evaluator.live import timed_completions
 from services.evaluator.report import expected_acceptance_length
 from services.evaluator.specdec import PromptIds, eval_prompts, greedy, stop_ids
+from services.evaluator.wiring import WiringMismatch, check_target, recorded_contradictions, recorded_layout
 
 log = logging.getLogger(__name__)
 INPUT_FIELD = "drafter"
@@ -75,6 +80,7 @@ class Variant:
     # what only a mis-feeding engine does (a norm skipped, no d2t, zero states): it may explain a served τ below the
     # configured one, never stand in for a better export (a weakly trained drafter may draft better without a norm)
     engine_fault: bool = False
+    recorded: bool = False  # its aux layers are those the export's eyas_layout records, where the config reads others
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Exported:
     trained_kwargs: dict[str, Any] | None = None
     accuracy: list[float] | None = None
     static: list[str] = field(default_factory=list)  # mis-wirings visible in the files themselves
+    recorded_aux: tuple[int, ...] | None = None  # what eyas_layout records, where an engine reads others from config
 
 
 def _config_aux(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -157,10 +164,44 @@ def _static_checks(exported: Exported, weights: dict[str, torch.Tensor]) -> dict
     return overrides
 
 
+def _recorded_checks(exported: Exported, target: Target) -> None:
+    """What the export records about itself against the ids the engines will read and against the target, before
+    any τ is measured: each contradiction is a static finding, and the aux layers it was trained on are the fix."""
+    found = recorded_contradictions(exported.config, exported.num_layers,
+                                    list(getattr(target.config, "architectures", None) or []))
+    exported.static.extend(c.finding for c in found)
+    exported.recorded_aux = next((c.trained for c in found if c.trained is not None), None)
+    layout = recorded_layout(exported.config)
+    if layout is not None and not found:
+        try:
+            check_target(layout, target)
+        except WiringMismatch as e:
+            exported.static.append(f"its eyas_layout says: {e}; fix: diagnose and serve it with that target")
+
+
+def _recorded_variant(exported: Exported, tried: list[Variant]) -> list[Variant]:
+    """The drafter fed the aux layers its eyas_layout records (marking the variant that already does, if any)."""
+    aux = exported.recorded_aux
+    if aux is None or aux == exported.aux_layers:  # only SGLang's ids contradict it: τ here is vLLM's reading
+        return tried
+    def feeds_them(v: Variant) -> bool:  # a shift of the configured ids that reads the recorded layers
+        return v.aux_layers == aux and v.name.startswith("aux ids")
+
+    if any(map(feeds_them, tried)):
+        return [replace(v, recorded=True) if feeds_them(v) else v for v in tried]
+    vllm_ids = [i + 1 for i in aux]
+    return [*tried, Variant(
+        "as recorded", f"the config's aux ids contradict its eyas_layout, which records out({', '.join(map(str, aux))})",
+        f"set \"eagle_aux_hidden_state_layer_ids\": {vllm_ids} (vLLM) and eagle_config's "
+        f"\"eagle_aux_hidden_state_layer_ids\": {list(aux)} (SGLang)", aux, recorded=True)]
+
+
 def _load(exported: Exported, target: Target, dtype: torch.dtype) -> tuple[Drafter, dict[str, torch.Tensor]]:
-    """The drafter as an engine loads it (missing d2t: the identity an engine falls back to), and its raw weights."""
+    """The drafter as an engine loads it (missing d2t: the identity an engine falls back to), and its raw weights;
+    first, what its files record against themselves and the target (`_recorded_checks`)."""
     from safetensors.torch import load_file
 
+    _recorded_checks(exported, target)
     weights = {drafter_name(k): v for k, v in load_file(str(exported.path / WEIGHTS)).items()}
     embedding = target.model.get_input_embeddings().weight.detach()
     drafter, _ = load_drafter(exported.path, embedding, dtype, overrides=_static_checks(exported, weights),
@@ -221,7 +262,7 @@ def variants(exported: Exported, drafter: Drafter, target: Target, kwargs: dict[
     out.append(Variant("zero states", "the engine fed the drafter zero hidden states (a capture bug: vLLM #46301)",
                        "upgrade the engine, or serve without the feature that zeroes the states", aux,
                        zero_states=True, engine_fault=True))
-    return out
+    return _recorded_variant(exported, out)
 
 
 class Measure:
@@ -323,7 +364,9 @@ def verdict(rows: list[dict], served: float | None, expected: float | None, stat
     margin = significant(base)
     best = max((r for r in rows[1:] if not r["engine_fault"]), key=lambda r: r["tau"], default=None)
     if static:
-        return f"the export itself is mis-wired: {static[0]}", {}
+        recorded = next((r for r in rows if r.get("recorded")), {})
+        measured = f" (τ {base:.3f} as configured, {recorded['tau']:.3f} as recorded)" if recorded else ""
+        return f"the export itself is mis-wired: {static[0]}{measured}", recorded
     template = next((r for r in rows if r["template_kwargs"] is not None and r["template_kwargs"] == trained_kwargs),
                     None)
     if template is not None:
@@ -341,7 +384,21 @@ def verdict(rows: list[dict], served: float | None, expected: float | None, stat
         return (f"τ {base:.3f} is below the {expected:.3f} its training accuracy promises, and no known mis-wiring "
                 "explains it: the prompts differ from its training data (compare `traffic`)", {})
     said = f" and served {served:.3f}" if served is not None else ""
-    return f"no mis-wiring found: τ {base:.3f} in-process{said}; none of the known changes does better", {}
+    return _within_noise(rows, margin, said) or (
+        f"no mis-wiring found: τ {base:.3f} in-process{said}; none of the known changes does better", {})
+
+
+def _within_noise(rows: list[dict], margin: float, said: str) -> tuple[str, dict] | None:
+    """Where variants give τ within `margin` of the configured wiring's, the measure cannot tell them from it: said
+    so with the numbers, not as 'no mis-wiring found'."""
+    base = rows[0]["tau"]
+    close = [r for r in rows[1:] if abs(r["tau"] - base) <= margin]
+    if not close:
+        return None
+    figures = ", ".join(f"'{r['name']}' {r['tau']:.3f}" for r in close)
+    return (f"cannot tell at this τ: {base:.3f} in-process as configured{said}, and {figures}, within the "
+            f"±{margin:.3f} this measure resolves; the drafter reads its states too weakly here to tell these wirings "
+            "apart (measure on more prompts, or a drafter that accepts more)", {})
 
 
 def _write_fixed(exported: Exported, chosen: dict, weights: dict[str, torch.Tensor], out: Path) -> list[str]:
@@ -350,9 +407,10 @@ def _write_fixed(exported: Exported, chosen: dict, weights: dict[str, torch.Tens
 
     cfg, changed = json.loads(json.dumps(exported.config)), []
     weights = dict(weights)
-    if chosen.get("aux_layers") and tuple(chosen["aux_layers"]) != exported.aux_layers:
-        cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in chosen["aux_layers"]]
-        cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(chosen["aux_layers"])
+    aux = exported.recorded_aux or chosen.get("aux_layers")  # what the files record wins over what τ chose
+    if aux and (tuple(aux) != exported.aux_layers or exported.recorded_aux):
+        cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in aux]
+        cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(aux)
         cfg["eagle_config"]["use_aux_hidden_state"] = True
         changed.append("eagle_aux_hidden_state_layer_ids")
     if chosen.get("order"):

@@ -8,17 +8,30 @@ What is checked (docs/eagle3.md §3, §7):
   capture    vLLM (eagle/ and speculators/ configs) and SGLang (eagle/ config) capture the trained layers, in the
              trained order (eyas.layout.check_serving: wrong layers, wrong order, off-by-one, embedding)
   residual   the engine's view has norm_before_residual false (vLLM defaults it to TRUE for speculators configs)
+`recorded_contradictions` reads one export's files alone (what it records against what an engine reads from it), for
+exports that come without the drafter's manifest (eyas diagnose).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
-from eyas.layout import Layout, LayoutMismatch, check_layout, check_serving, describe, vllm_view
+from eyas.layout import (
+    Layout,
+    LayoutMismatch,
+    check_layout,
+    check_serving,
+    default_aux_layers,
+    describe,
+    mismatch_kind,
+    vllm_capture_layers,
+    vllm_view,
+)
 from eyas.methods import EXPORT_DIRS, SERVED
 from eyas.target import Target
 
@@ -27,6 +40,61 @@ ENGINES = ("vllm", "sglang")
 
 class WiringMismatch(LayoutMismatch):
     """The drafter would be served with other tensors than it was trained on."""
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """What an export's files say against each other, with its fix; `trained`: the aux layers (out(i)) the recorded
+    layout says the drafter was trained on, where an engine reads others (None: no layer ids to change)."""
+    finding: str
+    trained: tuple[int, ...] | None = None
+
+
+def recorded_layout(config: dict[str, Any]) -> Layout | None:
+    """The layout an export's config.json records (Eyas's `eyas_layout`; a speculators config may nest it)."""
+    recorded = config.get("eyas_layout") or (config.get("transformer_layer_config") or {}).get("eyas_layout")
+    return Layout.from_dict(recorded) if recorded is not None else None
+
+
+def _ids_contradiction(layout: Layout, engine: str, where: str, served: list[int], ids: Any) -> Contradiction | None:
+    """`engine` reads `served` (out(i)) from the config's ids at `where` ("": top level), `ids` as written there."""
+    trained = list(layout.aux_layers)
+    if served == trained:
+        return None
+    written = f"{where}eagle_aux_hidden_state_layer_ids {ids}" if ids is not None else f"{where}eagle_aux_hidden_state_layer_ids unset"
+    fix = layout.vllm_ids if engine == "vLLM" else layout.sglang_ids
+    return Contradiction(
+        f"config.json has {engine} read {', '.join(describe(served))} ({written}) while its eyas_layout.aux_layers "
+        f"says {trained}, the layers the drafter was trained on ({mismatch_kind(trained, served)}); fix: set "
+        f"{where}\"eagle_aux_hidden_state_layer_ids\": {fix}", layout.aux_layers)
+
+
+def recorded_contradictions(config: dict[str, Any], num_layers: int,
+                            architectures: list[str]) -> list[Contradiction]:
+    """An export's config.json against itself and its target (`num_layers` layers, `architectures`), from the files
+    alone: the speculators config's verifier against the target's architecture, and the layout it records
+    (eyas_layout) against the layer ids vLLM and SGLang will read from the same config."""
+    found = []
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    if verifier.get("architectures") and architectures and list(verifier["architectures"]) != list(architectures):
+        found.append(Contradiction(
+            f"the speculators config's verifier is a {verifier['architectures']} ({verifier.get('name_or_path')}) "
+            f"but the target is a {architectures}: the drafter was trained for another target; fix: diagnose and "
+            "serve it with its verifier"))
+    layout = recorded_layout(config)
+    if layout is None:
+        return found
+    if layout.num_layers != num_layers:
+        return [*found, Contradiction(
+            f"its eyas_layout records a target of {layout.num_layers} layers, the target has {num_layers}: the "
+            "drafter was trained for another target; fix: diagnose and serve it with that target")]
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    found.append(_ids_contradiction(layout, "vLLM", "", vllm_capture_layers(config, num_layers), top))
+    if "speculators_model_type" not in config:  # SGLang loads the EAGLE layout only
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        served = sorted(int(i) for i in ids) if ids is not None else list(default_aux_layers(num_layers))
+        found.append(_ids_contradiction(layout, "SGLang", "eagle_config's ", served, ids))
+    return [c for c in found if c is not None]
 
 
 def check_target(layout: Layout, target: Target) -> None:
@@ -51,9 +119,9 @@ def check_export_wiring(layout: Layout, export: Path, engine: str) -> list[int]:
     config: dict[str, Any] = json.loads((export / "config.json").read_text())
     where = f"{export.name}/config.json on {engine}"
     try:
-        recorded = config.get("eyas_layout") or (config.get("transformer_layer_config") or {}).get("eyas_layout")
+        recorded = recorded_layout(config)
         if recorded is not None:
-            check_layout(layout, Layout.from_dict(recorded), what=f"{export.name}/config.json eyas_layout")
+            check_layout(layout, recorded, what=f"{export.name}/config.json eyas_layout")
         served = check_serving(layout, config, engine)
         width = _fc_width(export)
         if width != len(served) * layout.hidden_size:
