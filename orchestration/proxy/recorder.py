@@ -157,7 +157,7 @@ class Recorder:
         return lines
 
     def put_window(self, lines: list[str], stamp: str, source: str) -> str:
-        key = f"{self.settings.prefix}{stamp}-{source}.jsonl"
+        key = f"{self.settings.prefix}/{stamp}-{source}.jsonl"
         self.store.put_bytes(key, ("\n".join(lines) + "\n").encode())
         return key
 
@@ -166,7 +166,7 @@ class Recorder:
         cutoff = datetime.fromtimestamp(self.clock(), UTC) - timedelta(hours=self.settings.retention_hours)
         gone = []
         for key in self.store.list(self.settings.prefix):
-            name = key[len(self.settings.prefix):]
+            name = key[len(self.settings.prefix) + 1:]
             try:
                 start = datetime.strptime(name[:15], STAMP).replace(tzinfo=UTC)
             except ValueError:

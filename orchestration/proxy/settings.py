@@ -27,5 +27,5 @@ class ProxySettings(BaseSettings):
     redact_default: bool = Field(True, description="mask e-mail addresses, key-like tokens and digit runs of 6+")
     redact_hook: str | None = Field(None, description="module:function (str -> str) applied after the default "
                                                       "masks to every recorded text")
-    prefix: str = Field("traffic/", description="store prefix of the recorded windows")
+    prefix: str = Field("traffic", pattern=r"^[\w.-]+(/[\w.-]+)*$", description="store folder of the recorded windows")
     upstream_timeout_s: float = Field(600.0, gt=0, description="longest wait for a byte from the upstream")
