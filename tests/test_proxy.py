@@ -210,6 +210,13 @@ def test_a_client_that_hangs_up_ends_the_upstream_request(tmp_path):
     assert fake.stats["aborted"] == 1 and recorded(tmp_path) == []
 
 
+def test_an_unreachable_upstream_is_a_502_that_names_it(tmp_path):
+    gone = f"http://127.0.0.1:{free_port()}"
+    with proxy(gone, tmp_path) as (url, _):
+        r = httpx.post(url + CHAT, json=chat("anyone there?"))
+    assert r.status_code == 502 and gone in r.json()["error"] and recorded(tmp_path) == []
+
+
 def test_import_a_jsonl_of_requests(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("EYAS_MODE", raising=False)
     file = tmp_path / "requests.jsonl"

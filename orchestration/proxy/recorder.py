@@ -165,8 +165,11 @@ class Recorder:
         """Delete the stored windows that started before the retention bound; the keys deleted."""
         cutoff = datetime.fromtimestamp(self.clock(), UTC) - timedelta(hours=self.settings.retention_hours)
         gone = []
+        folder = self.settings.prefix + "/"
         for key in self.store.list(self.settings.prefix):
-            name = key[len(self.settings.prefix) + 1:]
+            if not key.startswith(folder):
+                continue  # a sibling that shares the prefix's letters (S3 lists by prefix, not by folder)
+            name = key[len(folder):]
             try:
                 start = datetime.strptime(name[:15], STAMP).replace(tzinfo=UTC)
             except ValueError:
