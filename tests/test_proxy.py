@@ -46,10 +46,10 @@ async def echo(scope, receive, send):
 
 
 @contextlib.contextmanager
-def serving(app):
+def serving(app, keep_alive_s: float = 5):
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                           server_header=False, date_header=False))
+                                           server_header=False, date_header=False, timeout_keep_alive=keep_alive_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -208,6 +208,15 @@ def test_a_client_that_hangs_up_ends_the_upstream_request(tmp_path):
         while fake.stats["aborted"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert fake.stats["aborted"] == 1 and recorded(tmp_path) == []
+
+
+def test_a_kept_alive_connection_the_upstream_closed_is_replaced(tmp_path):
+    with serving(echo, keep_alive_s=0.2) as up, proxy(up, tmp_path) as (url, _), httpx.Client() as client:
+        first = client.post(url + CHAT, json=chat("first"))
+        time.sleep(0.6)  # the upstream has closed the idle connection the proxy keeps
+        second = client.post(url + CHAT, json=chat("second"))
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert json.loads(second.json()["body"])["messages"][0]["content"] == "second"
 
 
 def test_an_unreachable_upstream_is_a_502_that_names_it(tmp_path):

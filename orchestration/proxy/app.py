@@ -10,11 +10,10 @@ import hmac
 import json
 import logging
 
-import httpx
-
 from eyas.settings import Settings
 from orchestration.proxy.recorder import Capture, Recorder, traffic_store
 from orchestration.proxy.settings import ProxySettings
+from orchestration.proxy.upstream import Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 CONTROL_PATH = "/_eyas/recording"
@@ -43,8 +42,7 @@ async def _reply(send, status: int, payload: dict) -> None:
 class ProxyApp:
     def __init__(self, settings: ProxySettings, recorder: Recorder, api_key: str | None = None):
         self.settings, self.recorder, self.api_key = settings, recorder, api_key
-        self.upstream = settings.upstream.rstrip("/")
-        self.client: httpx.AsyncClient | None = None
+        self.upstream = Upstream(settings.upstream, settings.upstream_timeout_s)
         self._flusher: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -60,9 +58,6 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.client = httpx.AsyncClient(
-                    timeout=httpx.Timeout(self.settings.upstream_timeout_s, connect=10),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024), trust_env=False)
                 self._flusher = asyncio.create_task(self._flush_windows())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -70,7 +65,7 @@ class ProxyApp:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._flusher
                 await self.flush(final=True)  # the open window is stored too: nothing sampled is lost on a stop
-                await self.client.aclose()
+                self.upstream.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -90,14 +85,12 @@ class ProxyApp:
 
     async def _forward(self, scope, receive, send) -> None:
         body = await _body(receive)
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = self.upstream + path.decode("latin-1") + ("?" + scope["query_string"].decode("latin-1")
-                                                        if scope["query_string"] else "")
+        target = (scope.get("raw_path") or scope["path"].encode()) + (
+            b"?" + scope["query_string"] if scope["query_string"] else b"")
         headers = [(k, v) for k, v in scope["headers"] if k not in NOT_FORWARDED]
         sampled = (scope["method"] == "POST" and scope["path"].endswith("/chat/completions")
                    and self.recorder.sample(scope["headers"], len(body)))
-        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
-        relay = asyncio.ensure_future(self._relay(request, body, send, sampled))
+        relay = asyncio.ensure_future(self._relay(scope["method"].encode(), target, headers, body, send, sampled))
         # a client that hangs up ends the upstream request too (vLLM then aborts the generation)
         hangup = asyncio.ensure_future(receive())
         await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -107,24 +100,23 @@ class ProxyApp:
         with contextlib.suppress(asyncio.CancelledError):
             await relay
 
-    async def _relay(self, request: httpx.Request, body: bytes, send, sampled: bool) -> None:
+    async def _relay(self, method: bytes, target: bytes, headers: list, body: bytes, send, sampled: bool) -> None:
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            await _reply(send, 502, {"error": f"upstream {self.upstream} unreachable: {type(e).__name__}"})
+            response = await self.upstream.request(method, target, headers, body)
+        except UpstreamError as e:
+            await _reply(send, 502, {"error": f"upstream {self.settings.upstream} unreachable: {e}"})
             return
         chunks = [] if sampled and self.settings.record_answers else None
-        try:
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
-            async for chunk in response.aiter_raw():
+        # closed on every way out: a cancelled relay (the client hung up) closes the upstream connection
+        async with contextlib.aclosing(response.body()) as answer:
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": [(k, v) for k, v in response.headers if k.lower() not in HOP_BY_HOP]})
+            async for chunk in answer:
                 if chunks is not None:
                     chunks.append(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await response.aclose()
-        if sampled and 200 <= response.status_code < 300:
+        if sampled and 200 <= response.status < 300:
             self.recorder.keep(Capture(self.recorder.clock(), body, chunks))
 
     async def _control(self, scope, receive, send) -> None:
