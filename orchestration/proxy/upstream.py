@@ -1,7 +1,7 @@
 """The pass-through's client to its upstream: keep-alive HTTP/1.1 connections to one origin, each request written
-in one write and each response read with h11 (the parser httpx itself uses). httpx's client and pool cost about two
-thirds of the proxy's CPU per request (bench/README.md § Traffic pass-through): it scans every pooled connection on
-each request and writes headers and body apart; a pass-through to one origin needs neither."""
+in one write and each response read with h11 (the parser httpx itself uses). In front of httpx's client, most of
+the proxy's CPU per request went to its pool, which scans every pooled connection on each request, and to writing
+headers and body apart (bench/README.md § Traffic pass-through); a pass-through to one origin needs neither."""
 from __future__ import annotations
 
 import asyncio
@@ -97,35 +97,34 @@ class Upstream:
                       body: bytes) -> Response:
         """Send one request; a kept-alive connection the upstream closed meanwhile costs one retry on a new one."""
         while self._idle:
-            conn = self._idle.pop()
             try:
-                return await self._exchange(conn, method, target, headers, body)
-            except (UpstreamError, h11.RemoteProtocolError):
-                conn.close()  # nothing of an answer came: the request goes again, on a fresh connection
-        conn = await self._open()
+                return await self._exchange(self._idle.pop(), method, target, headers, body)
+            except (UpstreamError, h11.ProtocolError):
+                continue  # nothing of an answer came: the request goes again, on a fresh connection
         try:
-            return await self._exchange(conn, method, target, headers, body)
-        except h11.RemoteProtocolError as e:
-            conn.close()
-            raise UpstreamError(f"the upstream's answer is not HTTP/1.1: {e}") from e
-        except UpstreamError:
-            conn.close()
-            raise
+            return await self._exchange(await self._open(), method, target, headers, body)
+        except h11.ProtocolError as e:  # a request h11 will not write, or an answer it cannot read
+            raise UpstreamError(f"not HTTP/1.1: {e}") from e
 
     async def _exchange(self, conn: _Connection, method: bytes, target: bytes,
                         headers: list[tuple[bytes, bytes]], body: bytes) -> Response:
         length = [(b"content-length", str(len(body)).encode())] if body or method in BODY_METHODS else []
         head = [(b"host", self.authority), *headers, *length]
-        out = conn.h11.send(h11.Request(method=method, target=self.base_path + target, headers=head))
-        out += conn.h11.send(h11.Data(data=body)) if body else b""
-        out += conn.h11.send(h11.EndOfMessage())
-        conn.writer.write(out)
-        while True:
-            event = await self.next_event(conn)
-            if isinstance(event, h11.Response):
-                return Response(self, conn, event)
-            if not isinstance(event, h11.InformationalResponse):  # a 100 Continue is not the answer
-                raise UpstreamError(f"the upstream closed the connection before it answered ({type(event).__name__})")
+        try:
+            out = conn.h11.send(h11.Request(method=method, target=self.base_path + target, headers=head))
+            out += conn.h11.send(h11.Data(data=body)) if body else b""
+            out += conn.h11.send(h11.EndOfMessage())
+            conn.writer.write(out)
+            while True:
+                event = await self.next_event(conn)
+                if isinstance(event, h11.Response):
+                    return Response(self, conn, event)
+                if not isinstance(event, h11.InformationalResponse):  # a 100 Continue is not the answer
+                    raise UpstreamError(f"the upstream closed the connection before it answered "
+                                        f"({type(event).__name__})")
+        except BaseException:  # cancelled too (the client hung up): the upstream sees the connection end
+            conn.close()
+            raise
 
     def close(self) -> None:
         while self._idle:
