@@ -18,11 +18,11 @@ from eyas.settings import Settings
 from eyas.store import LocalStore
 from orchestration.cli import main
 from orchestration.proxy.app import CONTROL_PATH, ProxyApp
-from orchestration.proxy.recorder import Capture, Recorder
+from orchestration.proxy.recorder import Capture, Recorder, traffic_store
 from orchestration.proxy.redact import mask_defaults
 from orchestration.proxy.settings import ProxySettings
 from tests.fake_llm import FakeLLM
-from tests.servers import free_port
+from tests.servers import S3_ACCESS, S3_SECRET, free_port
 
 CHAT = "/v1/chat/completions"
 SECRET = "mail ada@example.org, key sk-proj-Abc123Def456Ghi789Jkl and card 4111 1111 1111 1111, meet at 10"
@@ -197,6 +197,25 @@ def test_windows_are_objects_of_their_own_and_retention_deletes_old_ones(tmp_pat
     assert len(second) == 1 and second != first
     assert store.list("traffic") == sorted(second + ["traffic/notes.txt"])  # the first window expired
     assert [r["messages"][0]["content"] for r in recorded(tmp_path)] == ["second"]
+
+
+def test_windows_in_s3_expire_and_leave_the_neighbours_alone(s3_endpoint, tmp_path):
+    settings = Settings(mode="service", s3_endpoint=s3_endpoint, s3_access_key=S3_ACCESS, s3_secret_key=S3_SECRET,
+                        s3_bucket=f"eyas-proxy-{time.time_ns()}", workdir=tmp_path)
+    store = traffic_store(settings)  # the bucket is made if missing
+    now = [1_800_000_000.0]
+    rec = Recorder(store, ProxySettings(record=True, window_s=60, retention_hours=1), clock=lambda: now[0])
+    store.put_bytes("traffic-old/20200101T000000-x.jsonl", b"{}")  # shares the prefix's letters, not its folder
+    rec.keep(Capture(now[0], json.dumps(chat("old")).encode(), None))
+    [old] = rec.write(rec.take(final=True))
+    now[0] += 7200
+    rec.keep(Capture(now[0], json.dumps(chat("new")).encode(), None))
+    [new] = rec.write(rec.take(final=True))
+    assert store.list("traffic") == [new] and old != new
+    assert store.exists("traffic-old/20200101T000000-x.jsonl")
+    assert json.loads(store.get_bytes(new))["messages"] == [{"role": "user", "content": "new"}]
+    store.delete_prefix("")
+    store.client.remove_bucket(settings.s3_bucket)
 
 
 def test_a_client_that_hangs_up_ends_the_upstream_request(tmp_path):
