@@ -165,17 +165,14 @@ class Recorder:
         """Delete the stored windows that started before the retention bound; the keys deleted."""
         cutoff = datetime.fromtimestamp(self.clock(), UTC) - timedelta(hours=self.settings.retention_hours)
         gone = []
-        folder = self.settings.prefix + "/"
-        for key in self.store.list(self.settings.prefix):
-            if not key.startswith(folder):
-                continue  # a sibling that shares the prefix's letters (S3 lists by prefix, not by folder)
-            name = key[len(folder):]
+        for key in self.store.list(self.settings.prefix):  # the folder's keys: both stores list by folder
+            name = key[len(self.settings.prefix) + 1:]
             try:
                 start = datetime.strptime(name[:15], STAMP).replace(tzinfo=UTC)
             except ValueError:
                 continue  # not a window this recorder wrote
             if start < cutoff:
-                self.store.delete_prefix(key)
+                self.store.delete(key)
                 gone.append(key)
         return gone
 
