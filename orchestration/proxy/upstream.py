@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import h11
 
 READ_BYTES = 1 << 16
+MAX_IDLE = 1024  # kept-alive connections beyond a burst's are closed, not kept for a burst that may not come
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")  # say their length even when empty; other methods send none then
 
 
@@ -87,7 +88,8 @@ class Upstream:
             conn.h11.receive_data(data)  # b"" is the end of the connection
 
     def release(self, conn: _Connection, done: bool) -> None:
-        if done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+        if (done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
+                and len(self._idle) < MAX_IDLE):
             conn.h11.start_next_cycle()
             self._idle.append(conn)
         else:
@@ -97,10 +99,14 @@ class Upstream:
                       body: bytes) -> Response:
         """Send one request; a kept-alive connection the upstream closed meanwhile costs one retry on a new one."""
         while self._idle:
+            conn = self._idle.pop()
+            if conn.reader.at_eof() or conn.writer.is_closing():  # the upstream closed it while it was idle
+                conn.close()
+                continue
             try:
-                return await self._exchange(self._idle.pop(), method, target, headers, body)
+                return await self._exchange(conn, method, target, headers, body)
             except (UpstreamError, h11.ProtocolError):
-                continue  # nothing of an answer came: the request goes again, on a fresh connection
+                continue  # it closed as the request went out: nothing of an answer came, so it goes again
         try:
             return await self._exchange(await self._open(), method, target, headers, body)
         except h11.ProtocolError as e:  # a request h11 will not write, or an answer it cannot read
