@@ -6,7 +6,6 @@ a window closes, in a thread, so recording adds no parsing or I/O to a forwarded
 from __future__ import annotations
 
 import json
-import logging
 import random
 import secrets
 import time
@@ -19,7 +18,6 @@ from eyas.store import LocalStore, ObjectStore, S3Store
 from orchestration.proxy.redact import make_redactor
 from orchestration.proxy.settings import ProxySettings
 
-log = logging.getLogger(__name__)
 STAMP = "%Y%m%dT%H%M%S"  # a window's start, UTC, in its object's name: retention reads it back
 OPT_OUT_HEADER = b"x-eyas-no-record"  # a client that sends it (any value) is never recorded
 ROLES = ("system", "user", "assistant")  # what the generator's messages-JSONL reader accepts
