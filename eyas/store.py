@@ -40,6 +40,7 @@ class ObjectStore(Protocol):
     def get_file(self, key: str, path: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str) -> None: ...
     def uri(self, prefix: str) -> str: ...
     def ping(self) -> None: ...
@@ -91,6 +92,9 @@ class LocalStore:
             for p in base.rglob("*")
             if p.is_file() and not p.name.endswith(".part")
         )
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def delete_prefix(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -191,6 +195,10 @@ class S3Store:
         p = safe_key(prefix) + "/" if prefix else ""
         return self._call(f"list {p}", lambda: sorted(
             o.object_name for o in self.client.list_objects(self.bucket, prefix=p, recursive=True)))
+
+    def delete(self, key: str) -> None:
+        k = safe_key(key)
+        self._call(f"delete {k}", lambda: self.client.remove_object(self.bucket, k))  # a missing key is no error
 
     def delete_prefix(self, prefix: str) -> None:
         from minio.deleteobjects import DeleteObject

@@ -4,6 +4,8 @@ the HTTP API and `then` pipelines accept exactly the same fields.
   eyas run                      the whole pipeline on the embedded default (bundled target and prompts)
   eyas generate|extract|train|evaluate [flags] [--out DIR]   one stage, embedded
   eyas api --stage S            serve a stage's job API;   eyas worker --stage S   run a stage's Celery worker
+  eyas proxy --upstream URL     a pass-through in front of an endpoint that records a sample of its traffic
+  eyas traffic import FILE      store a JSONL of chat requests as recorded traffic
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ def _run_stage(stage: str, args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Every command's flags, from the stages' specs alone: no stage, torch or transformers is imported here (a
     command imports its stage when it runs)."""
+    from orchestration.proxy.command import add_proxy_commands
     from orchestration.registry import stage_doc, stage_spec
     from orchestration.run_command import add_run_arguments
 
@@ -136,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--concurrency", type=int, default=1,
                            help="pool processes, each running one job at a time (default: %(default)s)")
+    add_proxy_commands(sub)
     return parser
 
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_pipeline(args)
     if args.command in STAGE_COMMANDS:
         return _run_stage(args.command, args)
+    if args.command in ("proxy", "traffic"):
+        from orchestration.proxy.command import run_proxy_command
+
+        return run_proxy_command(args)
     if args.command == "api":
         from orchestration.api.app import serve_api
 

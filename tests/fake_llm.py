@@ -147,6 +147,8 @@ class FakeLLM:
         self.stats["tokens"] += tokens
         self.stats["last_answer"] = time.monotonic()
         finish = "length" if tokens == int(req.get("max_tokens") or 16) else "stop"
+        if req.get("stream"):
+            return 200, self._sse(f"fake-{rid}", req.get("model", "target"), tokens, finish)
         return 200, json.dumps({
             "id": f"fake-{rid}", "object": "chat.completion", "model": req.get("model", "target"),
             "choices": [{"index": 0, "finish_reason": finish,
@@ -154,7 +156,19 @@ class FakeLLM:
             "usage": {"prompt_tokens": len(text) // 4, "completion_tokens": tokens,
                       "total_tokens": len(text) // 4 + tokens}}).encode()
 
-    async def _route(self, method: str, path: str, body: bytes, reader) -> tuple[int, bytes]:
+    @staticmethod
+    def _sse(rid: str, model: str, tokens: int, finish: str) -> list[bytes]:
+        """A streamed answer as vLLM sends it: one server-sent event per token, then [DONE]; each its own chunk."""
+        def event(delta: dict, reason: str | None) -> bytes:
+            chunk = {"id": rid, "object": "chat.completion.chunk", "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+            return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+        words = [f"An answer of {tokens} tokens."] + [f" t{i}" for i in range(1, tokens)]
+        return ([event({"role": "assistant", "content": ""}, None)] + [event({"content": w}, None) for w in words]
+                + [event({}, finish), b"data: [DONE]\n\n"])
+
+    async def _route(self, method: str, path: str, body: bytes, reader) -> tuple[int, bytes | list[bytes]]:
         if method == "POST" and path.endswith("/chat/completions"):
             return await self._chat(body, reader)
         if method == "GET" and path == "/metrics" and self.metrics:
@@ -177,6 +191,15 @@ class FakeLLM:
                                if ln.lower().startswith("content-length:")), 0)
                 status, out = await self._route(method, path, await reader.readexactly(length), reader)
                 extra = "retry-after: 1\r\n" if status == 429 else ""
+                if isinstance(out, list):  # a stream: chunked transfer encoding, one event per chunk
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+                    for event in out:
+                        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        await writer.drain()
+                    writer.write(b"0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 writer.write(f"HTTP/1.1 {status} {reasons[status]}\r\ncontent-type: application/json\r\n"
                              f"content-length: {len(out)}\r\n{extra}\r\n".encode() + out)
                 await writer.drain()
