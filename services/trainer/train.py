@@ -236,8 +236,9 @@ class Counts:
     @classmethod
     def of(cls, r: Any, tokens: int = 0, weight: float = 1.0) -> Counts:
         """One objective result's counts (`r`: eyas.objective's), times `weight` (0 for a rank's padding batch)."""
-        parts = (r.objective, r.denom, r.ce_sum, r.correct, r.count, torch.tensor(float(tokens)))
-        return cls(*(p.detach().reshape(-1).double().cpu() * weight for p in parts))
+        parts = [p.detach().reshape(-1).double() for p in (r.objective, r.denom, r.ce_sum, r.correct, r.count)]
+        parts.append(torch.tensor([float(tokens)], dtype=torch.float64, device=parts[0].device))
+        return cls(*(torch.cat(parts).cpu() * weight).split([p.numel() for p in parts]))  # one copy off the GPU
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
