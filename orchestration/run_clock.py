@@ -32,7 +32,6 @@ def took(job: Any) -> float:
 
 @dataclass
 class RunClock:
-    minutes: float  # the budget asked for, the live check's reserve included
     started: float  # time.monotonic() as the run began
     end: float  # time.time() by which the pipeline is done (the live check runs after it, within the budget)
     batch: int
@@ -60,7 +59,7 @@ class RunClock:
                         spent_s=time.monotonic() - started)
         print(rates_line(rates))
         print(plan.describe())
-        return cls(args.minutes, started, end, args.batch, rates, plan, args.max_tokens or plan.max_tokens,
+        return cls(started, end, args.batch, rates, plan, args.max_tokens or plan.max_tokens,
                    args.eval_prompts or plan.eval_prompts)
 
     def left(self) -> float:
