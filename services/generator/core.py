@@ -110,7 +110,7 @@ class _Generated:
     pending: int = 0
 
 
-async def _generate(spec: Spec, ctx: StageContext, tokenizer: Any, journal: Journal) -> _Generated:
+async def _coordinate(spec: Spec, ctx: StageContext, tokenizer: Any, journal: Journal) -> _Generated:
     """Generate the job's prompts, a batch at a time, until they are done or the deadline stops them."""
     engine = _make_engine(spec, ctx)
     try:
@@ -165,7 +165,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
     tokenizer = load_tokenizer(spec.target)
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
     t0 = time.monotonic()
-    out = asyncio.run(_until_cancelled(ctx, _generate(spec, ctx, tokenizer, journal)))
+    out = asyncio.run(_until_cancelled(ctx, _coordinate(spec, ctx, tokenizer, journal)))
     elapsed = time.monotonic() - t0
     results = journal.load()  # every participant's samples
     dead = journal.load_dead()
