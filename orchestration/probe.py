@@ -32,9 +32,6 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     fastest of READINGS readings."""
     import torch
 
-    from eyas.batching import Batch
-    from eyas.drafter import Drafter, DrafterConfig
-    from eyas.ttt import label_rows, target_top
     from services.generator.engine import InProcessEngine
     from services.generator.spec import SamplingParams
 
@@ -44,32 +41,11 @@ def measure_rates(target_name: str, batch: int) -> Rates:
     # a few words, no chat template: the probe times decoding steps, not the prompts' prefill
     texts = [f"A fact about the number {i}:" for i in range(batch)]
     engine.generate_texts(texts[:2], params.model_copy(update={"max_tokens": 2}))  # warm-up
-    cfg = model.config
-    ids = torch.randint(0, cfg.vocab_size, (4, 256))
+    ids = torch.randint(0, model.config.vocab_size, (4, 256))
     with torch.inference_mode():
         model(input_ids=ids[:1, :16])  # warm-up
 
-    torch.manual_seed(0)
-    vocab = CPU_PRESET["draft_vocab_size"]
-    n_aux = len(default_aux_layers(cfg.num_hidden_layers))
-    drafter = Drafter(DrafterConfig.from_target(cfg, vocab, num_aux=n_aux))
-    drafter.set_vocab(torch.arange(vocab))
-    head = model.get_output_embeddings().weight.detach()
-    h = cfg.hidden_size
-    # a batch shaped like the run's: rows of a prompt and its answer up to the preset's batch tokens, loss on the
-    # answers only (the lm_head runs on those)
-    prompt, n = PROMPT_TOKENS, PROMPT_TOKENS + round(ANSWER_FILL * ANSWER_TOKENS)
-    rows = CPU_PRESET["batch_tokens"] // n
-    mask = torch.zeros(rows, n, dtype=torch.int64)
-    mask[:, prompt:] = 1
-    fake = Batch(input_ids=ids.reshape(-1)[:rows * n].view(rows, n), loss_mask=mask,
-                 lengths=torch.full((rows,), n), aux_hidden=torch.randn(rows, n, n_aux * h),
-                 final_hidden=torch.randn(rows, n, h))
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    _train_step_s(drafter, fake, head, opt)  # warm-up
-    # validation: forward only, with the target's argmax cached as the trainer caches it after the first pass
-    cached = replace(fake, target_top=target_top(fake.final_hidden, head, label_rows(mask)))
-    _train_step_s(drafter, cached, head, None)  # warm-up
+    drafter, head, fake, cached, opt = _training_probe(model, ids)
 
     def read() -> Rates:
         decode = []
@@ -86,13 +62,46 @@ def measure_rates(target_name: str, batch: int) -> Rates:
             for i in range(8):
                 out = model(input_ids=ids[:1, 64 + i:65 + i], past_key_values=out.past_key_values, use_cache=True)
             step = (time.perf_counter() - t1) / 8
-        tokens = rows * n
+        tokens = fake.input_ids.numel()
         return Rates(decode_tok_s=decode[0], decode_half_tok_s=decode[1], forward_tok_s=forward,
                      train_tok_s=tokens / min(_train_step_s(drafter, fake, head, opt) for _ in range(2)),
                      val_tok_s=tokens / min(_train_step_s(drafter, cached, head, None) for _ in range(2)),
                      step_s=step)
 
     return fastest([read() for _ in range(READINGS)])
+
+
+def _training_probe(model, ids):
+    """A drafter of the preset's shape for `model`, with its optimizer, and a batch shaped like the run's (rows of a
+    prompt and its answer up to the preset's batch tokens, loss on the answers only: the lm_head runs on those), raw
+    and with the target's argmax cached as the trainer caches it for validation; each warmed up."""
+    import torch
+
+    from eyas.batching import Batch
+    from eyas.drafter import Drafter, DrafterConfig
+    from eyas.ttt import label_rows, target_top
+
+    cfg = model.config
+    torch.manual_seed(0)
+    vocab = CPU_PRESET["draft_vocab_size"]
+    n_aux = len(default_aux_layers(cfg.num_hidden_layers))
+    drafter = Drafter(DrafterConfig.from_target(cfg, vocab, num_aux=n_aux))
+    drafter.set_vocab(torch.arange(vocab))
+    head = model.get_output_embeddings().weight.detach()
+    h = cfg.hidden_size
+    prompt, n = PROMPT_TOKENS, PROMPT_TOKENS + round(ANSWER_FILL * ANSWER_TOKENS)
+    rows = CPU_PRESET["batch_tokens"] // n
+    mask = torch.zeros(rows, n, dtype=torch.int64)
+    mask[:, prompt:] = 1
+    fake = Batch(input_ids=ids.reshape(-1)[:rows * n].view(rows, n), loss_mask=mask,
+                 lengths=torch.full((rows,), n), aux_hidden=torch.randn(rows, n, n_aux * h),
+                 final_hidden=torch.randn(rows, n, h))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    _train_step_s(drafter, fake, head, opt)  # warm-up
+    # validation: forward only
+    cached = replace(fake, target_top=target_top(fake.final_hidden, head, label_rows(mask)))
+    _train_step_s(drafter, cached, head, None)  # warm-up
+    return drafter, head, fake, cached, opt
 
 
 def _train_step_s(drafter, batch, head, opt) -> float:

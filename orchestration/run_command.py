@@ -19,6 +19,7 @@ import shlex
 import shutil
 import time
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,6 +28,8 @@ from eyas.methods import DEFAULT_METHOD, METHODS
 
 if TYPE_CHECKING:
     from eyas.settings import Settings
+    from orchestration.budget import Done
+    from orchestration.run_clock import RunClock
 
 # cache: extract everything, then train on the stored features; first_epoch / recompute: extract while a train job
 # trains on the shards as they land (eyas.handoff), keeping them for later epochs / extracting each epoch again
@@ -161,162 +164,224 @@ def live_command(live: str, settings: Settings, minutes: float, method: str) -> 
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    from eyas.layout import BF16, default_aux_layers
+    """The run's phases: the budget and its plan, generation, the features' policy, extraction and training,
+    evaluation, and the hand-over of the drafters and the report."""
     from eyas.settings import Settings
-    from eyas.target import resolve_target
-    from orchestration.budget import (
-        ANSWER_TOKENS,
-        DECODE_PROMPTS,
-        EVAL_SHARE,
-        LIVE_CHECK_S,
-        MAX_EPOCHS,
-        PROMPT_TOKENS,
-        Done,
-        batches,
-        features_gb,
-        features_policy,
-        first_shares,
-        plan_run,
-        replan,
-        scaled,
-        stage_seconds,
-        train_steps,
-        val_interval,
-    )
+    from orchestration.budget import LIVE_CHECK_S
     from orchestration.embedded import EmbeddedRunner, command_line_settings
-    from orchestration.probe import measure_rates, rates_line
-    from services.trainer.spec import CPU_PRESET
+    from orchestration.run_clock import RunClock
 
-    t0 = time.monotonic()
+    started = time.monotonic()  # the plan counts what deciding the live check and measuring took
     command, why = live_command(args.live, Settings(), args.minutes, args.method)
     print(f"live check on vLLM: {'on' if command else 'off'} ({why})")
-    reserve_s = LIVE_CHECK_S if command else 0.0  # after the evaluation's deadline, within the budget
-    minutes = args.minutes - reserve_s / 60
-    end = time.time() + 60 * minutes  # the budget is a deadline: every stage's is a share of what is left
-    print(f"measuring this machine for a {args.minutes:g}-minute run ...", flush=True)
-    rates = measure_rates(args.target, args.batch)
-    plan = plan_run(minutes, rates, args.batch, args.max_tokens or ANSWER_TOKENS, spent_s=time.monotonic() - t0)
-    max_tokens = args.max_tokens or plan.max_tokens
-    eval_prompts = args.eval_prompts or plan.eval_prompts
-    print(rates_line(rates))
-    print(plan.describe())
-    # At most this many prompts: without --num-prompts the generation deadline decides how many there are (the
-    # plan's count is a forecast from the first seconds). At least 8 batches: a probe that read a hogged machine far
-    # too slow planned a handful of prompts, and a cap of 2 batches stopped generation with a third of its share
-    # left (bench/README.md § Measured defaults)
-    most_prompts = args.num_prompts or max(4 * plan.num_prompts, 8 * args.batch)
-    train: dict = {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS}
-    if args.train_steps:
-        train["steps"] = args.train_steps
-    evaluate: dict = {"stage": "evaluate", "target": args.target, "num_prompts": args.eval_prompts or 80,
-                      "min_prompts": min(eval_prompts, 16), "decode_prompts": DECODE_PROMPTS}
-    extract: dict = {"stage": "extract", "target": args.target}
-    spec = {
-        **({"prompts": args.prompts, "limit": most_prompts} if args.prompts else {"synthesize": most_prompts}),
-        "endpoint": args.endpoint, "target": args.target, "max_turns": 1,
-        "concurrency": args.batch if args.endpoint else max(batches(most_prompts, args.batch)),
-        "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
-    }
-    apply_overrides({"generate": spec, "extract": extract, "train": train, "evaluate": evaluate}, args.overrides)
-    settings = command_line_settings("generate", spec, args.workdir)
-    runner = EmbeddedRunner(settings.model_copy(update={"vllm_command": command}))
-    replanned: dict[str, float] = {}
-    jobs = []
+    # the live check runs after the evaluation's deadline, within the budget
+    clock = RunClock.measure(args, LIVE_CHECK_S if command else 0.0, started)
+    specs = RunSpecs.for_run(args, clock)
+    settings = command_line_settings("generate", specs.generate, args.workdir)
+    run = _Pipeline(args, clock, specs, EmbeddedRunner(settings.model_copy(update={"vllm_command": command})))
+    generated = run.generate()
+    if generated is None:
+        return run.unfinished()
+    drafters = run.extract_and_train(generated, _features(args, clock, specs, generated))
+    if drafters is None:
+        return run.unfinished()
+    return run.hand_over(drafters, run.evaluate(drafters))
 
-    # generation: its share of what is left (synthesized prompts come a batch at a time, each answered before the
-    # next is drawn: services/generator/gather.py)
-    eval_cap = EVAL_SHARE * (end - time.time())
-    generated_started = time.time()
-    spec["finish_by"] = generated_started + first_shares(plan.seconds)["generate"] * (end - generated_started)
-    jobs += runner.run_job("generate", spec)
-    generated = jobs[-1]
-    if generated.state != "succeeded":
-        return _unfinished(jobs, plan.seconds, replanned)
+
+@dataclass(frozen=True)
+class RunSpecs:
+    """The stage specs a run's jobs start from, the --set overrides in; each phase adds its input and deadline to a
+    copy. Extract, train and evaluate are `then` entries (they name their stage)."""
+    generate: dict[str, Any]
+    extract: dict[str, Any]
+    train: dict[str, Any]
+    evaluate: dict[str, Any]
+
+    @classmethod
+    def for_run(cls, args: argparse.Namespace, clock: RunClock) -> RunSpecs:
+        from orchestration.budget import DECODE_PROMPTS, MAX_EPOCHS, batches
+        from services.trainer.spec import CPU_PRESET
+
+        # At most this many prompts: without --num-prompts the generation deadline decides how many there are (the
+        # plan's count is a forecast from the first seconds). At least 8 batches: a probe that read a hogged machine
+        # far too slow planned a handful of prompts, and a cap of 2 batches stopped generation with a third of its
+        # share left (bench/README.md § Measured defaults)
+        most = args.num_prompts or max(4 * clock.plan.num_prompts, 8 * args.batch)
+        specs = {
+            "generate": {
+                **({"prompts": args.prompts, "limit": most} if args.prompts else {"synthesize": most}),
+                "endpoint": args.endpoint, "target": args.target, "max_turns": 1,
+                "concurrency": args.batch if args.endpoint else max(batches(most, args.batch)),
+                "sampling": {"max_tokens": clock.max_tokens, "temperature": 0.0},
+            },
+            "extract": {"stage": "extract", "target": args.target},
+            "train": {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS,
+                      **({"steps": args.train_steps} if args.train_steps else {})},
+            "evaluate": {"stage": "evaluate", "target": args.target, "num_prompts": args.eval_prompts or 80,
+                         "min_prompts": min(clock.eval_prompts, 16), "decode_prompts": DECODE_PROMPTS},
+        }
+        apply_overrides(specs, args.overrides)
+        return cls(**specs)
+
+
+@dataclass(frozen=True)
+class Features:
+    """How the generated data reaches training: what generation produced, the features' policy and the store's cap
+    on them, and the drafters they feed."""
+    done: Done
+    policy: FeaturesPolicy
+    cap_gb: float
+    methods: tuple[str, ...]
+
+    @property
+    def streamed(self) -> bool:
+        return self.policy != "cache"
+
+
+def _features(args: argparse.Namespace, clock: RunClock, specs: RunSpecs, generated: Any) -> Features:
+    """The features' policy from their planned size against the store's cap (printed, with why), and the drafters
+    to train; the clock learns the machine's speed from generation."""
+    from eyas.layout import BF16, default_aux_layers
+    from eyas.target import resolve_target
+    from orchestration.budget import PROMPT_TOKENS, Done, features_gb, features_policy
+
     samples = generated.metrics["completed"]
-    if not samples:  # nothing to extract or train on: stop here, saying why
-        print(f"generation answered no prompt in its {spec['finish_by'] - generated_started:.0f} s share: this "
-              "machine ran slower than its first seconds promised; give the run more minutes (--minutes)")
-        return _unfinished(jobs, plan.seconds, replanned)
     done = Done(samples, samples * PROMPT_TOKENS + generated.metrics["completion_tokens"])
-    predicted = stage_seconds(rates, samples, max_tokens, eval_prompts, args.batch)["generate"]
-    machine = scaled(rates, _speed(predicted, generated))
+    clock.observe_generation(generated, samples)
     config = json.loads((resolve_target(args.target) / "config.json").read_text())
+    extract = specs.extract
     n_aux = len(extract.get("aux_layers") or default_aux_layers(config["num_hidden_layers"]))
     cap_gb = args.store_gb or half_free_gb(args.workdir)
-    planned_gb = features_gb(samples, max_tokens, config["hidden_size"], n_aux, extract.get("features_dtype", BF16))
+    planned_gb = features_gb(samples, clock.max_tokens, config["hidden_size"], n_aux,
+                             extract.get("features_dtype", BF16))
     policy, why = features_policy(args.features_policy, planned_gb, cap_gb)
     print(f"features: {policy}: {why}")
     streamed = policy != "cache"
     methods = (tuple(METHODS) if not streamed else (DEFAULT_METHOD,)) if args.method == "auto" else (args.method,)
     if args.method == "auto" and streamed:
         print(f"--method auto: the features are streamed into one trainer: training {DEFAULT_METHOD} only")
-    left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("extract", "train", "evaluate"),
-                  overlap=streamed, eval_cap_s=eval_cap)
-    _replanned("generate", generated, samples, machine, rates, left, replanned)
+    return Features(done, policy, cap_gb, methods)
 
-    # extraction, and training beside it (streamed) or after it
-    steps = train_steps(samples, max_tokens, MAX_EPOCHS, args.train_steps)
-    steps_fit = max(1, round(left["train"] * machine.train_tok_s / CPU_PRESET["batch_tokens"]))
-    train["val_interval"] = val_interval(min(steps, steps_fit))
-    hand_off_features(extract, train, policy, cap_gb)
-    extract[get_input("extract")] = generated.artifacts["output"]
-    if streamed:
-        train["finish_by"] = time.time() + left["train"]
-        jobs += runner.run_job("extract", {**_job(extract), "then": [{**train, "method": methods[0]}]})
-    else:
-        jobs += runner.run_job("extract", _job(extract))
-        extracted = jobs[-1]
+
+@dataclass
+class _Pipeline:
+    """A run's jobs, phase by phase, each to the deadline its clock gives it."""
+    args: argparse.Namespace
+    clock: RunClock
+    specs: RunSpecs
+    runner: Any  # orchestration.embedded.EmbeddedRunner
+    jobs: list = field(default_factory=list)
+
+    def _run(self, stage: str, spec: dict[str, Any]) -> Any:
+        """Run a job (and its `then` stages); the last of them."""
+        self.jobs += self.runner.run_job(stage, spec)
+        return self.jobs[-1]
+
+    def generate(self) -> Any | None:
+        """Generation in its share of what is left (synthesized prompts come a batch at a time, each answered before
+        the next is drawn: services/generator/gather.py): its job, or None when it failed or answered nothing."""
+        finish_by = self.clock.generation_deadline()
+        generated = self._run("generate", {**self.specs.generate, "finish_by": finish_by})
+        if generated.state != "succeeded":
+            return None
+        if not generated.metrics["completed"]:  # nothing to extract or train on: stop here, saying why
+            print(f"generation answered no prompt in its {finish_by - generated.created_at:.0f} s share: this "
+                  "machine ran slower than its first seconds promised; give the run more minutes (--minutes)")
+            return None
+        return generated
+
+    def extract_and_train(self, generated: Any, data: Features) -> list | None:
+        """Extraction, and training beside it (streamed) or after it: the train jobs, or None when one failed."""
+        from orchestration.budget import MAX_EPOCHS, train_steps, val_interval
+        from services.trainer.spec import CPU_PRESET
+
+        clock = self.clock
+        left = clock.replan(generated, data.done, ("extract", "train", "evaluate"), overlap=data.streamed)
+        steps = train_steps(data.done.samples, clock.max_tokens, MAX_EPOCHS, self.args.train_steps)
+        steps_fit = max(1, round(left["train"] * clock.machine.train_tok_s / CPU_PRESET["batch_tokens"]))
+        extract = {**self.specs.extract, get_input("extract"): generated.artifacts["output"]}
+        train = {**self.specs.train, "val_interval": val_interval(min(steps, steps_fit))}
+        hand_off_features(extract, train, data.policy, data.cap_gb)
+        if data.streamed:
+            then = {**train, "finish_by": clock.after(left["train"]), "method": data.methods[0]}
+            self._run("extract", {**_job(extract), "then": [then]})
+        elif not self._train_after_extraction(extract, train, data):
+            return None
+        drafters = [j for j in self.jobs if j.stage == "train"]
+        return drafters if drafters and drafters[-1].state == "succeeded" else None
+
+    def _train_after_extraction(self, extract: dict[str, Any], train: dict[str, Any], data: Features) -> bool:
+        """Extraction, then each drafter trained in its share of the training time re-planned after it."""
+        extracted = self._run("extract", _job(extract))
         if extracted.state != "succeeded":
-            return _unfinished(jobs, plan.seconds, replanned)
-        predicted = replan(1e9, rates, done, eval_prompts, args.batch, ("extract",))["extract"]
-        machine = scaled(rates, _speed(predicted, extracted))
-        left = replan(end - time.time(), machine, done, eval_prompts, args.batch, ("train", "evaluate"),
-                      eval_cap_s=eval_cap)
-        _replanned("extract", extracted, samples, machine, rates, left, replanned)
-        train[get_input("train")] = extracted.artifacts["output"]
-        train_end = time.time() + left["train"]
-        for i, method in enumerate(methods):  # each its share of the training time left
-            train["finish_by"] = time.time() + (train_end - time.time()) / (len(methods) - i)
-            jobs += runner.run_job("train", _job({**train, "method": method}))
-            if jobs[-1].state != "succeeded":
-                return _unfinished(jobs, plan.seconds, replanned)
-    drafters = [j for j in jobs if j.stage == "train"]
-    if not drafters or drafters[-1].state != "succeeded":
-        return _unfinished(jobs, plan.seconds, replanned)
+            return False
+        self.clock.observe_extraction(extracted, data.done)
+        left = self.clock.replan(extracted, data.done, ("train", "evaluate"))
+        train = {**train, get_input("train"): extracted.artifacts["output"]}
+        train_end = self.clock.after(left["train"])
+        for i, method in enumerate(data.methods):
+            finish_by = self.clock.share(1 / (len(data.methods) - i), until=train_end)
+            if self._run("train", _job({**train, "finish_by": finish_by, "method": method})).state != "succeeded":
+                return False
+        return True
 
-    # evaluation: what is left, shared by the drafters; the last one's report compares them
-    replanned["evaluate"] = end - time.time()
-    print(f"re-plan after train: evaluate {replanned['evaluate']:.0f} s (at least {evaluate['min_prompts']} prompts"
-          f"{' each' if len(drafters) > 1 else ''})")
-    reports = []
-    for i, trained in enumerate(drafters):
-        evaluate["finish_by"] = time.time() + (end - time.time()) / (len(drafters) - i)
-        evaluate[get_input("evaluate")] = trained.artifacts["output"]
-        jobs += runner.run_job("evaluate", _job({**evaluate, "compare_with": [r.artifacts["output"] for r in reports]}))
-        if jobs[-1].state != "succeeded":
-            break
-        reports.append(jobs[-1])
-    print()
-    _summary(jobs, plan.seconds, replanned)
-    for trained in drafters:  # handed over whatever the evaluation concluded
-        print(f"drafter exports, {trained.spec.get('method', DEFAULT_METHOD)} (README: \"Serve the drafter\"):")
-        for name, uri in sorted(trained.artifacts.items()):
-            if name != "output":
-                print(f"  {name}: {uri}")
-    report = jobs[-1]
-    if report.stage != "evaluate" or report.state != "succeeded":
+    def evaluate(self, drafters: list) -> list:
+        """Each drafter evaluated in its share of what is left, the last report comparing them: the reports made."""
+        seconds = self.clock.replan_evaluation()
+        print(f"re-plan after train: evaluate {seconds:.0f} s (at least {self.specs.evaluate['min_prompts']} prompts"
+              f"{' each' if len(drafters) > 1 else ''})")
+        reports: list = []
+        for i, trained in enumerate(drafters):
+            spec = {**self.specs.evaluate, "finish_by": self.clock.share(1 / (len(drafters) - i)),
+                    get_input("evaluate"): trained.artifacts["output"],
+                    "compare_with": [r.artifacts["output"] for r in reports]}
+            if self._run("evaluate", _job(spec)).state != "succeeded":
+                break
+            reports.append(self.jobs[-1])
+        return reports
+
+    def hand_over(self, drafters: list, reports: list) -> int:
+        """The summary and the drafters' exports, whatever the evaluation concluded; then the report's answer."""
+        print()
+        self._summary()
+        for trained in drafters:
+            print(f"drafter exports, {trained.spec.get('method', DEFAULT_METHOD)} (README: \"Serve the drafter\"):")
+            for name, uri in sorted(trained.artifacts.items()):
+                if name != "output":
+                    print(f"  {name}: {uri}")
+        report = self.jobs[-1]
+        if report.stage != "evaluate" or report.state != "succeeded":
+            print("pipeline did not finish; see the job records above")
+            return 1
+        print(f"\nacceptance length τ = {report.metrics.get('acceptance_length')}  "
+              f"(K = {report.metrics.get('k')}, {report.metrics.get('prompts')} MT-bench prompts; in "
+              f"{self.clock.elapsed():.0f} s of a {self.args.minutes:g}-minute budget)")
+        for name, uri in sorted(report.artifacts.items()):
+            print(f"  {name}: {uri}")
+        if report.metrics.get("serving_decision"):
+            print(f"\n{report.metrics['serving_decision']}")
+        if len(reports) > 1:
+            print(_method_choice(report, self.args.concurrency))
+        return 0
+
+    def unfinished(self) -> int:
+        print()
+        self._summary()
         print("pipeline did not finish; see the job records above")
         return 1
-    print(f"\nacceptance length τ = {report.metrics.get('acceptance_length')}  "
-          f"(K = {report.metrics.get('k')}, {report.metrics.get('prompts')} MT-bench prompts; in "
-          f"{time.monotonic() - t0:.0f} s of a {args.minutes:g}-minute budget)")
-    for name, uri in sorted(report.artifacts.items()):
-        print(f"  {name}: {uri}")
-    if report.metrics.get("serving_decision"):
-        print(f"\n{report.metrics['serving_decision']}")
-    if len(reports) > 1:
-        print(_method_choice(report, args.concurrency))
-    return 0
+
+    def _summary(self) -> None:
+        """Each job's state and seconds beside the plan's and the last re-plan's (each job is created when the one
+        before it ends, a streamed train job when extraction starts, and last updated when it ends)."""
+        from orchestration.run_clock import took
+
+        planned, replanned = self.clock.plan.seconds, self.clock.replanned
+        print(f"  {'stage':<9} {'state':<10} {'planned':>8} {'re-planned':>11} {'took':>7}")
+        for job in self.jobs:
+            again = replanned.get(job.stage)
+            print(f"  {job.stage:<9} {job.state:<10} {planned.get(job.stage, 0):7.0f}s "
+                  f"{'—' if again is None else f'{again:.0f}s':>11} {took(job):6.0f}s  "
+                  f"{job.artifacts.get('output', '')}")
 
 
 def _method_choice(report, concurrency: int) -> str:
@@ -345,38 +410,3 @@ def get_input(stage: str) -> str:
     from orchestration.registry import get_stage
 
     return get_stage(stage).input_field
-
-
-def _speed(predicted_s: float, job) -> float:
-    from orchestration.budget import speed
-
-    return speed(predicted_s, job.updated_at - job.created_at)
-
-
-def _replanned(stage: str, job, samples: int, machine, probed, left: dict[str, float],
-               replanned: dict[str, float]) -> None:
-    """Print the re-plan made after `stage` ended, and keep its seconds for the summary."""
-    from orchestration.budget import describe_seconds
-
-    replanned.update(left)
-    ratio = machine.forward_tok_s / probed.forward_tok_s
-    print(f"re-plan after {stage} ({job.updated_at - job.created_at:.0f} s, {samples} conversations; the machine ran "
-          f"{ratio:.2f}x the probe's rates): {describe_seconds(left)}", flush=True)
-
-
-def _summary(jobs: list, planned: dict[str, float], replanned: dict[str, float]) -> None:
-    """Each job's state and seconds beside the plan's and the last re-plan's (each job is created when the one
-    before it ends, a streamed train job when extraction starts, and last updated when it ends)."""
-    print(f"  {'stage':<9} {'state':<10} {'planned':>8} {'re-planned':>11} {'took':>7}")
-    for job in jobs:
-        again = replanned.get(job.stage)
-        print(f"  {job.stage:<9} {job.state:<10} {planned.get(job.stage, 0):7.0f}s "
-              f"{'—' if again is None else f'{again:.0f}s':>11} {job.updated_at - job.created_at:6.0f}s  "
-              f"{job.artifacts.get('output', '')}")
-
-
-def _unfinished(jobs: list, planned: dict[str, float], replanned: dict[str, float]) -> int:
-    print()
-    _summary(jobs, planned, replanned)
-    print("pipeline did not finish; see the job records above")
-    return 1

@@ -17,7 +17,7 @@ from eyas.target import BUNDLED, load_tokenizer
 from services.generator.engine import Completion, InProcessEngine
 from services.generator.gather import gather_prompts, prompt_batches
 from services.generator.spec import SamplingParams, Spec
-from services.generator.synthesize import Synthesizer, pre_query_text, synthesize_prompts
+from services.generator.synthesize import SynthesisConfig, Synthesizer, pre_query_text, synthesize_prompts
 from services.generator.task_mix import TASK_OPENERS, task_openers
 
 
@@ -34,15 +34,15 @@ def test_pre_query_is_the_template_up_to_the_user_words():
 
 def test_synthesis_is_reproducible_distinct_and_ends_at_end_of_turn(engine):
     tok = engine.tok
-    a, counts = asyncio.run(synthesize_prompts(engine, tok, 3, seed=7))
-    b, _ = asyncio.run(synthesize_prompts(engine, tok, 3, seed=7))
+    a, counts = asyncio.run(synthesize_prompts(engine, tok, 3, SynthesisConfig(seed=7)))
+    b, _ = asyncio.run(synthesize_prompts(engine, tok, 3, SynthesisConfig(seed=7)))
     texts = [p.user_turns[0] for p in a]
     assert texts == [p.user_turns[0] for p in b]  # same seed → same prompts
     assert len(a) == 3 and all(t.strip() for t in texts)
     assert len({t.lower() for t in texts}) == 3
     assert all(p.meta["finish_reason"] == "stop" for p in a)  # the model closed the user turn itself
     assert counts["kept"] == 3 and counts["sampled"] >= 3
-    c, _ = asyncio.run(synthesize_prompts(engine, tok, 3, seed=8))
+    c, _ = asyncio.run(synthesize_prompts(engine, tok, 3, SynthesisConfig(seed=8)))
     assert [p.user_turns[0] for p in c] != texts
 
 
@@ -72,12 +72,13 @@ class _Scripted:
 
 def test_synthesis_draws_in_chunks_sized_to_what_is_still_needed():
     fake = _Scripted()
-    kept, counts = asyncio.run(synthesize_prompts(fake, load_tokenizer(BUNDLED), 10, chunk=8))
+    kept, counts = asyncio.run(synthesize_prompts(fake, load_tokenizer(BUNDLED), 10, SynthesisConfig(chunk=8)))
     assert len(kept) == 10 and counts["near_duplicate"] == 0
     assert max(fake.calls) <= 8  # never more than a chunk at once
     # half are rejected: after the first chunk the draws follow the measured acceptance, not the 1.5x guess
     assert fake.calls == [8, 8, 5] and counts["sampled"] == 21
-    capped, _ = asyncio.run(synthesize_prompts(_Scripted(), load_tokenizer(BUNDLED), 10, chunk=8, max_candidates=12))
+    capped, _ = asyncio.run(synthesize_prompts(_Scripted(), load_tokenizer(BUNDLED), 10,
+                                                      SynthesisConfig(chunk=8, max_candidates=12)))
     assert len(capped) == 6  # 12 candidates at most, half of them usable
 
 
@@ -96,12 +97,12 @@ def _batches(spec: Spec, saved=None, answer_s=lambda: 0.0, stop_after: int = 100
 
 def test_a_take_past_its_deadline_hands_out_the_surplus_and_draws_nothing():
     fake, tok = _Scripted(), load_tokenizer(BUNDLED)
-    synth = Synthesizer(fake, tok, 100, chunk=8)
+    synth = Synthesizer(fake, tok, 100, SynthesisConfig(chunk=8))
     assert len(asyncio.run(synth.take(3))) == 3 and fake.calls == [8]  # a round keeps 4: one left over
     past = Deadline(time.time() - 1)
     assert [p.id for p in asyncio.run(synth.take(3, past))] == ["synth:0:0:7"] and fake.calls == [8]
     assert asyncio.run(synth.take(3, past)) == [] and fake.calls == [8]
-    assert asyncio.run(Synthesizer(_Scripted(), tok, 100, chunk=8).take(3, past)) == []  # not even a first round
+    assert asyncio.run(Synthesizer(_Scripted(), tok, 100, SynthesisConfig(chunk=8)).take(3, past)) == []  # not even a first round
 
 
 def test_a_synthesizing_job_with_a_deadline_gets_its_prompts_a_batch_at_a_time():
@@ -140,7 +141,7 @@ class _Recording(_Scripted):
 def test_openers_start_the_requests_in_turn():
     fake, tok = _Recording(), load_tokenizer(BUNDLED)
     openers = ["Write a Python function that", "Solve", ""]
-    kept, _ = asyncio.run(synthesize_prompts(fake, tok, 4, chunk=8, openers=openers))
+    kept, _ = asyncio.run(synthesize_prompts(fake, tok, 4, SynthesisConfig(chunk=8, openers=openers)))
     prefix = pre_query_text(tok)
     assert fake.texts[:4] == [prefix + o for o in openers + openers[:1]]  # candidate i gets openers[i % 3]
     # the scripted engine ends the turn of candidates 1, 3, 5, 7 only: their openers, in order, are kept
@@ -156,7 +157,8 @@ def test_task_mix_spans_every_category_within_one_round():
 
 
 def test_the_target_continues_an_opener_into_a_request(engine):
-    kept, counts = asyncio.run(synthesize_prompts(engine, engine.tok, 2, seed=3, openers=["Write a poem about"]))
+    kept, counts = asyncio.run(synthesize_prompts(engine, engine.tok, 2,
+                                                    SynthesisConfig(seed=3, openers=["Write a poem about"])))
     assert len(kept) == 2 and counts["kept"] == 2
     for p in kept:
         assert p.user_turns[0].startswith("Write a poem about ") and len(p.user_turns[0]) > len("Write a poem about ")
@@ -167,7 +169,7 @@ def test_follow_ups_continue_the_conversation_reproducibly(engine):
     answers = SamplingParams(max_tokens=48)  # greedy, as the generator answers by default
 
     def run(seed):
-        return asyncio.run(synthesize_prompts(engine, tok, 3, seed=seed, turns=2, answer_sampling=answers))
+        return asyncio.run(synthesize_prompts(engine, tok, 3, SynthesisConfig(seed=seed, turns=2, answer_sampling=answers)))
 
     a, counts = run(7)
     b, _ = run(7)

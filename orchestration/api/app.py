@@ -52,6 +52,26 @@ def _unparsable(cause: BaseException | None) -> dict:
     return problem("body", "<unparsable>", f"the body could not be parsed ({type(cause).__name__})")
 
 
+def _problems(errors: list[dict]) -> list[dict]:
+    """A request's validation errors as problems that name the field (the body's, the path's or the query's) and the
+    value; at most MAX_PROBLEMS of them (a MiB of unknown keys would make a MB-sized answer)."""
+    problems = []
+    for err in errors[:MAX_PROBLEMS]:
+        loc = [str(p) for p in err.get("loc", ())]
+        if err.get("type") == "json_invalid":  # loc: ("body", character offset)
+            error = (err.get("ctx") or {}).get("error", "")
+            problems.append(problem("body", f"<not JSON at character {loc[-1]}>", f"invalid JSON: {error}"))
+            continue
+        if loc and loc[0] == "query":  # the parameter, whichever of its repeated values is wrong
+            loc = loc[1:2]
+        elif loc and loc[0] in ("body", "path"):
+            loc = loc[1:]
+        problems.append(problem(".".join(loc) or "body", err.get("input"), err.get("msg", "invalid")))
+    if len(errors) > MAX_PROBLEMS:
+        problems.append(problem("body", None, f"and {len(errors) - MAX_PROBLEMS} more problems"))
+    return problems
+
+
 def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     spec_cls = get_stage(stage).spec_cls
@@ -86,21 +106,7 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
-        problems = []
-        errors = exc.errors()
-        for err in errors[:MAX_PROBLEMS]:  # (a MiB of unknown keys would make a MB-sized answer)
-            loc = [str(p) for p in err.get("loc", ())]
-            if err.get("type") == "json_invalid":  # loc: ("body", character offset)
-                error = (err.get("ctx") or {}).get("error", "")
-                problems.append(problem("body", f"<not JSON at character {loc[-1]}>", f"invalid JSON: {error}"))
-                continue
-            if loc and loc[0] == "query":  # the parameter, whichever of its repeated values is wrong
-                loc = loc[1:2]
-            elif loc and loc[0] in ("body", "path"):
-                loc = loc[1:]
-            problems.append(problem(".".join(loc) or "body", err.get("input"), err.get("msg", "invalid")))
-        if len(errors) > MAX_PROBLEMS:
-            problems.append(problem("body", None, f"and {len(errors) - MAX_PROBLEMS} more problems"))
+        problems = _problems(exc.errors())
         if request.url.path == "/v1/jobs" and request.method == "POST":
             rejected.labels(stage).inc()
         return JSONResponse(status_code=422, content={"detail": problems})

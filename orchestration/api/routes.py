@@ -39,10 +39,7 @@ JobId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="job i
 def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings: Settings,
                rejected: Counter) -> APIRouter:
     router = APIRouter(prefix="/v1/jobs", dependencies=v1_dependencies(settings))
-    errors = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}
-    if settings.api_key is not None:
-        errors |= {401: {"model": Message, "description": "no API key"},
-                   403: {"model": Message, "description": "wrong API key"}}
+    errors = _error_responses(settings)
     missing = {404: {"model": Problems, "description": f"no such {stage} job (another stage's job is its service's)"}}
     # whether a running job's worker still holds its lease (service mode: orchestration.lease)
     alive = None if runtime.leases is None else (lambda job_id: runtime.leases.held(job_lease(job_id)))
@@ -63,22 +60,7 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
                             503: {"model": Message,
                                   "description": "the queue could not take the job (the job record says so)"}})
     def submit_job(spec: Annotated[spec_cls, Body()], response: Response) -> Submitted:
-        job_id = new_job_id(stage)
-        try:
-            # python mode: a number the JSON dump would turn into null (Infinity in a free-form field) stays
-            # what was sent, and submit refuses it
-            job = submit(stage, spec.model_dump(exclude_unset=True), runtime.jobs, runtime.dispatch,
-                         runtime.settings, job_id=job_id)
-        except SpecError as e:
-            rejected.labels(stage).inc()
-            raise HTTPException(422, [problem(e.field, e.value, e.message)]) from None
-        except Exception as e:  # the record exists but no queue took it: say so on the job and to the caller
-            log.exception("could not enqueue job %s", job_id)
-            with contextlib.suppress(Exception):
-                transition(runtime.jobs, job_id, "failed", error=f"could not enqueue: {type(e).__name__}: {e}")
-            raise HTTPException(503, f"could not enqueue job {job_id}: {type(e).__name__}: {e}") from None
-        response.headers["Location"] = f"/v1/jobs/{job.id}"
-        return Submitted(id=job.id, status=job.state, links=links(job))
+        return _submit(stage, spec, runtime, rejected, response)
 
     @router.get("/{job_id}", response_model=JobView, responses={**errors, **missing})
     def read_job(job_id: JobId) -> JobView:
@@ -142,3 +124,34 @@ def probe_routes(stage: str, runtime: Runtime, settings: Settings, registry: Col
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _error_responses(settings: Settings) -> dict[int, dict]:
+    """The errors every route of a stage's jobs may answer: an invalid request, and a missing or wrong API key
+    where the service has one."""
+    errors = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}
+    if settings.api_key is not None:
+        errors |= {401: {"model": Message, "description": "no API key"},
+                   403: {"model": Message, "description": "wrong API key"}}
+    return errors
+
+
+def _submit(stage: str, spec: StageSpec, runtime: Runtime, rejected: Counter, response: Response) -> Submitted:
+    """Submit a job of `stage`: a spec the stage refuses is a 422 that names the field, a queue that does not take it
+    a 503 (and the job record says so)."""
+    job_id = new_job_id(stage)
+    try:
+        # python mode: a number the JSON dump would turn into null (Infinity in a free-form field) stays
+        # what was sent, and submit refuses it
+        job = submit(stage, spec.model_dump(exclude_unset=True), runtime.jobs, runtime.dispatch,
+                     runtime.settings, job_id=job_id)
+    except SpecError as e:
+        rejected.labels(stage).inc()
+        raise HTTPException(422, [problem(e.field, e.value, e.message)]) from None
+    except Exception as e:  # the record exists but no queue took it: say so on the job and to the caller
+        log.exception("could not enqueue job %s", job_id)
+        with contextlib.suppress(Exception):
+            transition(runtime.jobs, job_id, "failed", error=f"could not enqueue: {type(e).__name__}: {e}")
+        raise HTTPException(503, f"could not enqueue job {job_id}: {type(e).__name__}: {e}") from None
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return Submitted(id=job.id, status=job.state, links=links(job))

@@ -446,6 +446,18 @@ def _html(d: dict) -> str:
             f"{rows}</table>")
 
 
+def _on_traffic(spec: Spec, ctx: StageContext, target: Any, drafter: Any, kwargs: dict, variant: Variant) -> dict:
+    """τ of `variant` (the drafter as exported) on the spec's traffic prompts, in all and per category."""
+    on_traffic = Measure(target, drafter, spec.traffic, spec.traffic_prompts, kwargs, spec.max_new_tokens, spec.k,
+                         ctx.settings, ctx.check)
+    prompts, runs = on_traffic.runs(variant)
+    per_category: dict[str, list] = {}
+    for p, r in zip(prompts, runs, strict=True):
+        per_category.setdefault(p.category or "all", []).append(r)
+    return {"acceptance_length": chain_acceptance(runs, spec.k)["acceptance_length"],
+            "per_category": {c: chain_acceptance(rs, spec.k)["acceptance_length"] for c, rs in per_category.items()}}
+
+
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     place = placement(ctx.settings, spec.dtype)
     target = load_target(spec.target, place)
@@ -469,17 +481,7 @@ def run(spec: Spec, ctx: StageContext) -> StageResult:
         expected = expected_acceptance_length(accuracy, spec.k) if accuracy else None
         sentence, chosen = verdict(rows, served["acceptance_length"] if served else None, expected, exported.static,
                                    exported.trained_kwargs)
-        traffic = None
-        if spec.traffic:
-            on_traffic = Measure(target, drafter, spec.traffic, spec.traffic_prompts, kwargs, spec.max_new_tokens,
-                                 spec.k, ctx.settings, ctx.check)
-            prompts, runs = on_traffic.runs(tried[0])
-            per_category: dict[str, list] = {}
-            for p, r in zip(prompts, runs, strict=True):
-                per_category.setdefault(p.category or "all", []).append(r)
-            traffic = {"acceptance_length": chain_acceptance(runs, spec.k)["acceptance_length"],
-                       "per_category": {c: chain_acceptance(rs, spec.k)["acceptance_length"]
-                                        for c, rs in per_category.items()}}
+        traffic = _on_traffic(spec, ctx, target, drafter, kwargs, tried[0]) if spec.traffic else None
         diagnosis = {
             "drafter": spec.drafter, "target": spec.target, "k": spec.k, "prompts": spec.prompts,
             "num_prompts": spec.num_prompts, "chat_template_kwargs": kwargs,

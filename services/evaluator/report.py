@@ -360,12 +360,13 @@ def _decoded_text(ip: dict[str, Any]) -> str:
     return f"{equal}; {counts}"
 
 
-def render_html(report: dict[str, Any], images: list[str]) -> str:
+def _evidence_rows(report: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The report's evidence table: what was trained and served, and what was measured."""
     ip = report.get("in_process", {})
     scored = report.get("acceptance", {})
     layout = report["layout"]
     drafts = scored.get("drafts")
-    summary = [
+    return [
         ("target", report["target"]),
         ("drafter", report.get("drafter", "")),
         ("aux layers (trained, physical out(i))", layout["aux_layers"]),
@@ -392,6 +393,32 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
         ("serve with chat_template_kwargs",
          json.dumps((report.get("serve_with") or {}).get("chat_template_kwargs"))),
     ]
+
+
+def _live_rows(live: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The live A/B table: vLLM serving the target plain and with the drafter."""
+    rows: list[tuple[str, Any]] = [("prompts", f"{plural(live['prompts'], 'prompt')}, up to "
+                                               f"{plural(live['max_tokens'], 'token')} each"),
+                                   ("concurrent requests", live["concurrency"])]
+    for name in ("baseline", "speculative"):
+        if name in live:
+            rows.append((f"{name} tok/s", live[name]["tok_s"]))
+    spec = live.get("speculative") or {}
+    if spec:
+        rows += [("vLLM τ (/metrics)", spec.get("acceptance_length")),
+                 ("vLLM per-position acceptance", spec.get("per_position_acceptance")),
+                 ("vLLM drafts", f"{plural(spec.get('drafts') or 0, 'draft')}, "
+                                 f"{plural(spec.get('accepted') or 0, 'token')} accepted")]
+    if "speedup" in live:
+        n = plural(live["prompts"], "prompt")
+        rows += [("speed-up", live["speedup"]),
+                 ("outputs", f"speculative output equals the baseline's on {'all ' if live['prompts'] > 1 else ''}"
+                             f"{n}" if live["outputs_equal"]
+                  else f"speculative output differs from the baseline's on at least one of {n}")]
+    return rows
+
+
+def render_html(report: dict[str, Any], images: list[str]) -> str:
     wiring = report.get("wiring") or {}
     wiring_rows = [("trained on", wiring.get("trained"))] + [
         (f"{name} serves", served) for name, served in (wiring.get("served") or {}).items()]
@@ -405,29 +432,10 @@ def render_html(report: dict[str, Any], images: list[str]) -> str:
     ]
     if report.get("answer"):
         parts += _answer_html(report["answer"])
-    parts += ["<h2>Evidence</h2>", _table(summary),
+    parts += ["<h2>Evidence</h2>", _table(_evidence_rows(report)),
               "<h2>Wiring check (what each engine concatenates)</h2>", _table(wiring_rows)]
-    live = report.get("live")
-    if live:
-        rows: list[tuple[str, Any]] = [("prompts", f"{plural(live['prompts'], 'prompt')}, up to "
-                                                   f"{plural(live['max_tokens'], 'token')} each"),
-                                       ("concurrent requests", live["concurrency"])]
-        for name in ("baseline", "speculative"):
-            if name in live:
-                rows.append((f"{name} tok/s", live[name]["tok_s"]))
-        spec = live.get("speculative") or {}
-        if spec:
-            rows += [("vLLM τ (/metrics)", spec.get("acceptance_length")),
-                     ("vLLM per-position acceptance", spec.get("per_position_acceptance")),
-                     ("vLLM drafts", f"{plural(spec.get('drafts') or 0, 'draft')}, "
-                                     f"{plural(spec.get('accepted') or 0, 'token')} accepted")]
-        if "speedup" in live:
-            n = plural(live["prompts"], "prompt")
-            rows += [("speed-up", live["speedup"]),
-                     ("outputs", f"speculative output equals the baseline's on {'all ' if live['prompts'] > 1 else ''}"
-                                 f"{n}" if live["outputs_equal"]
-                      else f"speculative output differs from the baseline's on at least one of {n}")]
-        parts += ["<h2>Live A/B on vLLM</h2>", _table(rows)]
+    if report.get("live"):
+        parts += ["<h2>Live A/B on vLLM</h2>", _table(_live_rows(report["live"]))]
     if report.get("serving"):
         parts += _serving_html(report["serving"])
     parts += ["<h2>Plots</h2>"] + [f"<p><img src='{html.escape(name)}' alt='{html.escape(name)}'></p>"

@@ -96,106 +96,136 @@ def _share_work(spec: Spec, ctx: StageContext, pending: list[str]) -> Work:
     return ctx.share(pending, helpers, most)
 
 
+@dataclasses.dataclass
+class _Generated:
+    """What a run's generation did: the prompts handed out, in order, and their sources' counts; the coordinator's
+    own stats and the helpers' (`shared`); how many prompts this run had pending, and those an earlier run of the
+    job finished (`resumed`)."""
+
+    resumed: set[str]
+    prompts: list[Prompt] = dataclasses.field(default_factory=list)
+    source_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    shared: dict[str, int] = dataclasses.field(default_factory=dict)
+    pending: int = 0
+
+
+async def _coordinate(spec: Spec, ctx: StageContext, tokenizer: Any, journal: Journal) -> _Generated:
+    """Generate the job's prompts, a batch at a time, until they are done or the deadline stops them."""
+    engine = _make_engine(spec, ctx)
+    try:
+        if isinstance(engine, HttpEngine):  # before the first request: the endpoint must serve the target
+            ctx.metrics.update(await check_endpoint(engine, tokenizer, spec.target,
+                                                    spec.sampling.chat_template_kwargs))
+        # resume: the same prompts, not a fresh synthesis (and, where they come in batches, more after them)
+        saved = saved_prompts(ctx.output) if ctx.output.exists(PROMPTS_FILE) else None
+        done = journal.load()
+        if done:  # (a job's prompts are saved before any is handed out, so `saved` is there)
+            log.info("resuming: %d of %d prompts already finished", len(done), len(saved["prompts"]))
+        throttle = _make_throttle(spec, ctx)
+        gen = Generator(spec, engine, throttle, journal, ctx)
+        out = _Generated(resumed=set(done))
+        batches = prompt_batches(spec, engine, tokenizer, ctx.settings, saved, gen.must_fit_s)
+        try:
+            async for got, source_counts in batches:
+                out.source_counts = source_counts
+                await _generate_batch(spec, ctx, gen, got, out)
+                if gen.stopped_at_deadline:
+                    break
+        finally:
+            await batches.aclose()
+            await throttle.aclose()
+        out.stats = {**gen.stats, "stopped_at_deadline": int(gen.stopped_at_deadline)}
+        return out
+    finally:
+        await engine.aclose()
+
+
+async def _generate_batch(spec: Spec, ctx: StageContext, gen: Generator, got: list[Prompt], out: _Generated) -> None:
+    """One batch of prompts: saved with those before it, then those not finished yet generated (with helpers where
+    the deployment shares the work)."""
+    out.prompts += got
+    ctx.output.put_bytes(PROMPTS_FILE, json.dumps(  # before they are handed out: resumable
+        {"prompts": [dataclasses.asdict(p) for p in out.prompts], "counts": out.source_counts}).encode())
+    pending = {p.id: p for p in got if p.id not in out.resumed}
+    out.pending += len(pending)
+    work = _share_work(spec, ctx, list(pending))
+    gen.journal.on_commit = work.finished
+    try:
+        await gen.run(pending, work, len(out.prompts) - len(pending), coordinator=True)
+        for k, v in work.shared_stats().items():  # what the helpers counted
+            out.shared[k] = out.shared.get(k, 0) + v
+    finally:
+        work.close()
+
+
 def run(spec: Spec, ctx: StageContext) -> StageResult:
     """The job's own task (the coordinator): resolve the prompts, generate them (with helpers where the deployment
     shares the work), and fold the journal into the final shards."""
     tokenizer = load_tokenizer(spec.target)
-    tok_hash = tokenizer_hash(tokenizer)
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
-
-    async def main():
-        engine = _make_engine(spec, ctx)
-        try:
-            if isinstance(engine, HttpEngine):  # before the first request: the endpoint must serve the target
-                ctx.metrics.update(await check_endpoint(engine, tokenizer, spec.target,
-                                                        spec.sampling.chat_template_kwargs))
-            # resume: the same prompts, not a fresh synthesis (and, where they come in batches, more after them)
-            saved = saved_prompts(ctx.output) if ctx.output.exists(PROMPTS_FILE) else None
-            done = journal.load()
-            if done:  # (a job's prompts are saved before any is handed out, so `saved` is there)
-                log.info("resuming: %d of %d prompts already finished", len(done), len(saved["prompts"]))
-            throttle = _make_throttle(spec, ctx)
-            gen = Generator(spec, engine, throttle, journal, ctx)
-            prompts: list[Prompt] = []
-            shared: dict[str, int] = {}
-            pending_count = 0
-            source_counts: dict[str, int] = {}
-            batches = prompt_batches(spec, engine, tokenizer, ctx.settings, saved, gen.must_fit_s)
-            try:
-                async for got, source_counts in batches:
-                    prompts += got
-                    ctx.output.put_bytes(PROMPTS_FILE, json.dumps(  # before they are handed out: resumable
-                        {"prompts": [dataclasses.asdict(p) for p in prompts], "counts": source_counts}).encode())
-                    pending = {p.id: p for p in got if p.id not in done}
-                    pending_count += len(pending)
-                    work = _share_work(spec, ctx, list(pending))
-                    journal.on_commit = work.finished
-                    try:
-                        await gen.run(pending, work, len(prompts) - len(pending), coordinator=True)
-                        for k, v in work.shared_stats().items():  # what the helpers counted
-                            shared[k] = shared.get(k, 0) + v
-                    finally:
-                        work.close()
-                    if gen.stopped_at_deadline:
-                        break
-            finally:
-                await batches.aclose()
-                await throttle.aclose()
-            stats = {**gen.stats, "stopped_at_deadline": int(gen.stopped_at_deadline)}
-            return prompts, source_counts, stats, shared, pending_count, set(done)
-        finally:
-            await engine.aclose()
-
     t0 = time.monotonic()
-    prompts, source_counts, stats, shared, pending, resumed = asyncio.run(_until_cancelled(ctx, main()))
+    out = asyncio.run(_until_cancelled(ctx, _coordinate(spec, ctx, tokenizer, journal)))
     elapsed = time.monotonic() - t0
     results = journal.load()  # every participant's samples
     dead = journal.load_dead()
-    failures = [dead[p.id] for p in prompts if p.id in dead and p.id not in results]
-    records = [results[p.id] for p in prompts if p.id in results]  # prompt order, each id once
+    failures = [dead[p.id] for p in out.prompts if p.id in dead and p.id not in results]
+    records = [results[p.id] for p in out.prompts if p.id in results]  # prompt order, each id once
     # prompts nobody started before the deadline (none without one: the journal and the shared work keep their
     # promises, and a gap is never committed)
-    unreached = len(prompts) - len(records) - len(failures)
-    if unreached and not stats["stopped_at_deadline"]:
+    unreached = len(out.prompts) - len(records) - len(failures)
+    if unreached and not out.stats["stopped_at_deadline"]:
         raise RuntimeError(f"{unreached} prompts were neither generated nor dead-lettered")
-    if not prompts:  # synthesis kept none before its deadline: say so, not a missing prompt file further down
-        raise RuntimeError(f"no prompt was synthesized before the deadline ({elapsed:.0f} s, {stats}): give the job "
-                           "more time (eyas run --minutes) or a prompt file")
+    if not out.prompts:  # synthesis kept none before its deadline: say so, not a missing prompt file further down
+        raise RuntimeError(f"no prompt was synthesized before the deadline ({elapsed:.0f} s, {out.stats}): give the "
+                           "job more time (eyas run --minutes) or a prompt file")
     writer = ArtifactWriter(ctx.output)
     writer.put_bytes(PROMPTS_FILE, ctx.output.get_bytes(PROMPTS_FILE))  # same bytes; now hashed in the manifest
+    _write_shards(writer, records, failures, spec.shard_size)
+    metrics = _metrics(out, records, failures, elapsed)
+    ctx.progress(len(records) + len(failures), len(out.prompts), "prompts", force=True)
+    writer.commit(Manifest(
+        kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
+        inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
+        counts={"prompts": len(out.prompts), "conversations": len(records), "failed": len(failures),
+                "unreached": unreached, "completion_tokens": metrics["completion_tokens"], **out.source_counts},
+        dataset=DatasetFacts(target=spec.target, tokenizer_hash=tokenizer_hash(tokenizer), endpoint=spec.endpoint,
+                             chat_template_kwargs=spec.sampling.chat_template_kwargs), metrics=metrics,
+    ))
+    ctx.output.store.delete_prefix(ctx.output.key("parts"))  # the journal is folded into the shards
+    log.info("generated %d conversations (%d failed), %d tokens at %.1f tok/s → %s", len(records), len(failures),
+             metrics["completion_tokens"], metrics["tokens_per_s"], ctx.output.uri)
+    return StageResult(output_uri=ctx.output.uri, metrics=metrics)
+
+
+def _write_shards(writer: ArtifactWriter, records: list[dict], failures: list[dict], shard_size: int) -> None:
+    """The conversations as JSONL shards of `shard_size`, and the dead letters beside them."""
     with tempfile.TemporaryDirectory(prefix="eyas-gen-") as tmp:
-        for i in range(0, len(records), spec.shard_size):
-            path = Path(tmp) / shard_name(i // spec.shard_size)
-            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records[i:i + spec.shard_size]))
+        for i in range(0, len(records), shard_size):
+            path = Path(tmp) / shard_name(i // shard_size)
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records[i:i + shard_size]))
             writer.put_file(path.name, path)
         if failures:
             path = Path(tmp) / DEAD_LETTER_FILE
             path.write_text("".join(json.dumps(f) + "\n" for f in failures))
             writer.put_file(path.name, path)
+
+
+def _metrics(out: _Generated, records: list[dict], failures: list[dict], elapsed: float) -> dict[str, Any]:
+    """The job's metrics: resumed (finished by an earlier run of the job) + this run's (own + helped) = every
+    prompt."""
+    unreached = len(out.prompts) - len(records) - len(failures)
     completion_tokens = sum(t["completion_tokens"] for r in records for t in r["turns"])
     # Counted from the records, not from what each participant reported (a helper reports after its last commit,
     # which may be after the coordinator finished): this run's tokens are those of the prompts not resumed.
-    new_tokens = sum(t["completion_tokens"] for r in records if r["id"] not in resumed for t in r["turns"])
-    # resumed (finished by an earlier run of the job) + this run's (own + helped) = every prompt
-    metrics = {"completed": len(records), "failed": len(failures),
-               "retried": stats["retried"] + shared.get("retried", 0),
-               "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
-               "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "resumed": len(resumed),
-               "unreached": unreached,
-               "helped": pending - stats["completed"] - stats["failed"] - unreached}  # prompts other workers generated
-    ctx.progress(len(records) + len(failures), len(prompts), "prompts", force=True)
-    writer.commit(Manifest(
-        kind="dataset", id=ctx.job_id, job_spec=spec.model_dump(mode="json"),
-        inputs=[s for s in ([spec.prompts] + [m.prompts for m in spec.mix]) if s],
-        counts={"prompts": len(prompts), "conversations": len(records), "failed": len(failures), "unreached": unreached,
-                "completion_tokens": completion_tokens, **source_counts},
-        dataset=DatasetFacts(target=spec.target, tokenizer_hash=tok_hash, endpoint=spec.endpoint,
-                             chat_template_kwargs=spec.sampling.chat_template_kwargs), metrics=metrics,
-    ))
-    ctx.output.store.delete_prefix(ctx.output.key("parts"))  # the journal is folded into the shards
-    log.info("generated %d conversations (%d failed), %d tokens at %.1f tok/s → %s", len(records), len(failures),
-             completion_tokens, metrics["tokens_per_s"], ctx.output.uri)
-    return StageResult(output_uri=ctx.output.uri, metrics=metrics)
+    new_tokens = sum(t["completion_tokens"] for r in records if r["id"] not in out.resumed for t in r["turns"])
+    return {"completed": len(records), "failed": len(failures),
+            "retried": out.stats["retried"] + out.shared.get("retried", 0),
+            "completion_tokens": completion_tokens, "seconds": round(elapsed, 1),
+            "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "resumed": len(out.resumed),
+            "unreached": unreached,
+            # prompts other workers generated
+            "helped": out.pending - out.stats["completed"] - out.stats["failed"] - unreached}
 
 
 def assist(spec: Spec, ctx: StageContext, work: Work) -> None:

@@ -13,7 +13,7 @@ from eyas.prompts import Prompt, load_prompt_source
 from eyas.settings import Settings
 from services.generator.engine import Engine
 from services.generator.spec import Spec
-from services.generator.synthesize import Synthesizer, synthesize_prompts
+from services.generator.synthesize import SynthesisConfig, Synthesizer, synthesize_prompts
 from services.generator.task_mix import task_openers
 
 log = logging.getLogger(__name__)
@@ -32,11 +32,11 @@ def _held_out(spec: Spec, settings: Settings) -> list[str]:
     return [t for p in load_prompt_source(spec.held_out, settings) for t in p.user_turns] if spec.held_out else []
 
 
-def _synthesis(spec: Spec, held: list[str]) -> dict:
+def _synthesis(spec: Spec, held: list[str]) -> SynthesisConfig:
     """How the spec synthesizes: the Synthesizer's (and synthesize_prompts') settings beside the engine and count."""
-    return {"seed": spec.synth_seed, "held_out": held, "chunk": spec.concurrency, "turns": spec.synth_turns,
-            "answer_sampling": spec.sampling,
-            "openers": task_openers() if spec.synth_openers is None else spec.synth_openers}
+    return SynthesisConfig(seed=spec.synth_seed, held_out=held, chunk=spec.concurrency, turns=spec.synth_turns,
+                           answer_sampling=spec.sampling,
+                           openers=task_openers() if spec.synth_openers is None else spec.synth_openers)
 
 
 def in_batches(spec: Spec) -> bool:
@@ -64,7 +64,7 @@ async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settin
         return
     held = _held_out(spec, settings)
     synth_counts = {k.removeprefix("synth_"): v for k, v in counts.items() if k.startswith("synth_")}
-    synth = Synthesizer(engine, tokenizer, spec.synthesize, **_synthesis(spec, held),
+    synth = Synthesizer(engine, tokenizer, spec.synthesize, _synthesis(spec, held),
                         known=[t for p in known for t in p.user_turns], counts=synth_counts)
     while True:
         finish_by = min(spec.synthesize_by or math.inf, spec.finish_by - answer_s())
@@ -92,7 +92,7 @@ async def gather_prompts(spec: Spec, engine: Engine, tokenizer,
     prompts: list[Prompt] = []
     for source, quota in sources:
         if source == "synth":
-            got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, **_synthesis(spec, held),
+            got, synth_counts = await synthesize_prompts(engine, tokenizer, quota, _synthesis(spec, held),
                                                          deadline=Deadline(spec.synthesize_by or spec.finish_by))
             counts.update({f"synth_{k}": v for k, v in synth_counts.items()})
             counts["held_out_dropped"] += synth_counts["held_out"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from eyas.deadline import Deadline, Pace
 from eyas.neardup import NearDupIndex
@@ -51,6 +53,24 @@ def acceptable(text: str, min_chars: int = 12, max_chars: int = 2000, min_ascii:
     return None
 
 
+@dataclass(frozen=True)
+class SynthesisConfig:
+    """How a Synthesizer draws: `seed` (each round's, and its prompts' names), `held_out` texts no prompt may
+    near-duplicate, candidates' `sampling` (default: temperature 1, top-p 0.95, 128 tokens), rounds of `chunk`,
+    at most `max_candidates` (default 4n + 8), the `system` prompt, `turns` per prompt (follow-ups sampled after
+    the target's answers, drawn with `answer_sampling`), and the `openers` requests start with."""
+
+    seed: int = 0
+    held_out: Sequence[str] = ()
+    sampling: SamplingParams | None = None
+    chunk: int = 8
+    max_candidates: int | None = None
+    system: str | None = None
+    turns: int = 1
+    answer_sampling: SamplingParams | None = None
+    openers: Sequence[str] = ()
+
+
 class Synthesizer:
     """Draws prompts from the target in rounds of at most `chunk` candidates, `n` in all (or until `max_candidates`,
     default 4n + 8, were drawn), and hands them out `take()` by `take()`; the state across takes (the near-duplicate
@@ -59,18 +79,17 @@ class Synthesizer:
     theirs. Candidate i's request starts with openers[i % len(openers)] (none: free sampling;
     services.generator.task_mix)."""
 
-    def __init__(self, engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
-                 sampling: SamplingParams | None = None, chunk: int = 8, max_candidates: int | None = None,
-                 system: str | None = None, turns: int = 1, answer_sampling: SamplingParams | None = None,
-                 openers: list[str] = (), known: list[str] = (), counts: dict[str, int] | None = None):
-        self.engine, self.tokenizer, self.n, self.seed, self.chunk = engine, tokenizer, n, seed, chunk
-        self.sampling = sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
-        self.max_candidates = max_candidates or 4 * n + 8
-        self.system, self.turns, self.openers = system, turns, list(openers)
-        self.answer_sampling = answer_sampling or SamplingParams(max_tokens=256)
-        self.prefix = pre_query_text(tokenizer, system)
+    def __init__(self, engine: Engine, tokenizer, n: int, config: SynthesisConfig = SynthesisConfig(),
+                 known: list[str] = (), counts: dict[str, int] | None = None):
+        seed = config.seed
+        self.engine, self.tokenizer, self.n, self.seed, self.chunk = engine, tokenizer, n, seed, config.chunk
+        self.sampling = config.sampling or SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128, seed=seed)
+        self.max_candidates = config.max_candidates or 4 * n + 8
+        self.system, self.turns, self.openers = config.system, config.turns, list(config.openers)
+        self.answer_sampling = config.answer_sampling or SamplingParams(max_tokens=256)
+        self.prefix = pre_query_text(tokenizer, config.system)
         self.seen = NearDupIndex(list(known))
-        self.guard = NearDupIndex(list(held_out))
+        self.guard = NearDupIndex(list(config.held_out))
         self.counts = {"sampled": 0, "kept": 0, "rounds": 0, "no_end_of_turn": 0, "too_short": 0, "too_long": 0,
                        "language": 0, "near_duplicate": 0, "held_out": 0, **(counts or {})}
         self.surplus: list[Prompt] = []  # kept by a round but beyond what its take asked for: the next take's first
@@ -135,16 +154,11 @@ class Synthesizer:
                 break
 
 
-async def synthesize_prompts(engine: Engine, tokenizer, n: int, seed: int = 0, held_out: list[str] = (),
-                             sampling: SamplingParams | None = None, chunk: int = 8,
-                             max_candidates: int | None = None, system: str | None = None, turns: int = 1,
-                             answer_sampling: SamplingParams | None = None,
-                             openers: list[str] = (), deadline: Deadline = Deadline(None),
-                             ) -> tuple[list[Prompt], dict[str, int]]:
+async def synthesize_prompts(engine: Engine, tokenizer, n: int, config: SynthesisConfig = SynthesisConfig(),
+                             deadline: Deadline = Deadline(None)) -> tuple[list[Prompt], dict[str, int]]:
     """`n` distinct acceptable requests at once (a Synthesizer's one take; fewer when its candidates or
     `deadline` run out), and the counts of what was drawn, dropped and why."""
-    synth = Synthesizer(engine, tokenizer, n, seed, held_out, sampling, chunk, max_candidates, system, turns,
-                        answer_sampling, openers)
+    synth = Synthesizer(engine, tokenizer, n, config)
     kept = await synth.take(n, deadline)
     counts = {**synth.counts, **({"stopped_at_deadline": 1} if synth.stopped else {})}
     log.info("synthesized %d prompts: %s", len(kept), counts)

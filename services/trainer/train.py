@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -216,22 +216,173 @@ def _deadline_total(total: int, most: int, step: int, deadline: Deadline, step_s
     return fitted
 
 
+@dataclass
+class Counts:
+    """What the objective counted, summed over batches and ranks: the weighted objective and its denominator (masked
+    positions), per TTT step the cross-entropy sum, the correct top-1 predictions and the positions counted, and the
+    tokens trained on. Float64 on the CPU."""
+
+    objective: torch.Tensor
+    denom: torch.Tensor
+    ce_sum: torch.Tensor
+    correct: torch.Tensor
+    count: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def zeros(cls, k: int) -> Counts:
+        return cls(*(torch.zeros(n, dtype=torch.float64) for n in (1, 1, k, k, k, 1)))
+
+    @classmethod
+    def of(cls, r: Any, tokens: int = 0, weight: float = 1.0) -> Counts:
+        """One objective result's counts (`r`: eyas.objective's), times `weight` (0 for a rank's padding batch)."""
+        parts = [p.detach().reshape(-1).double() for p in (r.objective, r.denom, r.ce_sum, r.correct, r.count)]
+        parts.append(torch.tensor([float(tokens)], dtype=torch.float64, device=parts[0].device))
+        return cls(*(torch.cat(parts).cpu() * weight).split([p.numel() for p in parts]))  # one copy off the GPU
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def all_sum(self) -> Counts:
+        """Summed over the ranks, in one all-reduce."""
+        parts = [getattr(self, f.name) for f in fields(self)]
+        return Counts(*_all_sum(torch.cat(parts)).split([p.numel() for p in parts]))
+
+    @property
+    def positions(self) -> float:
+        """The objective's denominator (at least 1)."""
+        return float(self.denom.clamp(min=1))
+
+    @property
+    def loss(self) -> float:
+        return float(self.objective) / self.positions
+
+    @property
+    def acc(self) -> list[float]:
+        """Top-1 accuracy per TTT step."""
+        return (self.correct / self.count.clamp(min=1)).tolist()
+
+
 @torch.no_grad()
 def validate(spec: Spec, setup: TrainingSetup, tops: TargetTopCache, device) -> dict[str, Any]:
     rank, world = _rank_world()
     plan = eval_plan([s.input_ids.numel() for s in setup.data.val], spec.batch_tokens)
-    K = spec.ttt_steps
-    stats = torch.zeros(2 + 3 * K, dtype=torch.float64)  # objective, denom, ce[K], correct[K], count[K]
+    counts = Counts.zeros(spec.ttt_steps)
     setup.drafter.eval()
     for indices in plan[rank::world]:
         with _autocast(spec, device):  # DFlash's anchors: the same for every validation (a fixed seed)
-            r = objective(setup.drafter, tops.batch(indices, device), setup.target_lm_head, K, LOSS_DECAY,
-                          generator=torch.Generator().manual_seed(indices[0]))
-        stats += torch.cat([r.objective.reshape(1), r.denom.reshape(1), r.ce_sum, r.correct, r.count]).double().cpu()
+            r = objective(setup.drafter, tops.batch(indices, device), setup.target_lm_head, spec.ttt_steps,
+                          LOSS_DECAY, generator=torch.Generator().manual_seed(indices[0]))
+        counts += Counts.of(r)
     setup.drafter.train()
-    stats = _all_sum(stats)
-    denom, correct, count = stats[1].clamp(min=1), stats[2 + K: 2 + 2 * K], stats[2 + 2 * K:].clamp(min=1)
-    return {"loss": float(stats[0] / denom), "acc": (correct / count).tolist()}
+    counts = counts.all_sum()
+    return {"loss": counts.loss, "acc": counts.acc}
+
+
+@dataclass
+class _Training:
+    """One rank's training run: the drafter, its optimizer and data, where it stands, and its record (history and
+    info go into every checkpoint)."""
+
+    spec: Spec
+    setup: TrainingSetup
+    device: torch.device
+    head: torch.Tensor
+    optimizer: torch.optim.Optimizer
+    names: list[str]  # of the trained parameters, as checkpoints store them
+    fields: dict[str, Any]  # the spec's fields a resumed run must match
+    output: Artifact
+    source: Artifact | None  # the checkpoint resumed from
+    step: int
+    position: DataPosition
+    history: dict[str, list]
+    info: dict[str, Any] = field(default_factory=dict)
+    val_s: float = 0.0  # seconds of the last validation pass (a deadline keeps time for the one at the end)
+    window: tuple | None = None  # the window of shards the last batch came from
+
+    @property
+    def data(self) -> TrainData:
+        return self.setup.data
+
+    @property
+    def releases(self) -> bool:
+        """The features are deleted as training consumes them."""
+        return bool(self.data.stream.releases)
+
+    def validate(self, tops: TargetTopCache) -> None:
+        v0 = time.perf_counter()
+        self.history["val"].append({"step": self.step, **validate(self.spec, self.setup, tops, self.device)})
+        self.val_s = time.perf_counter() - v0
+
+    def checkpoint(self, position: DataPosition) -> None:
+        save_checkpoint(self.output, self.step, self.setup.drafter, self.optimizer, self.names, position,
+                        self.history, self.fields, self.info)
+
+    def next_batch(self, stream: BatchStream, tops: TargetTopCache, rank: int) -> list[int]:
+        """The next global batch, entering its window of shards (and fetching the one after meanwhile) when it is a
+        new one."""
+        if self.releases and self.window is not None and stream.upcoming() != self.window:
+            # leaving a window whose shards are deleted once used: commit a checkpoint past it first, so a crash
+            # never needs a deleted shard (only rank 0 writes; every rank has left the window)
+            if rank == 0:
+                self.checkpoint(stream.position)
+                self.data.stream.release_before(self.spec.seed, *stream.upcoming())
+        global_batch = stream.next()
+        if stream.window != self.window:
+            self.window = stream.window
+            self.data.enter(self.spec.seed, *self.window)
+            if not self.data.stream.whole:
+                tops.clear()
+        return global_batch
+
+
+def _open(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, settings: Settings,
+          device: torch.device) -> _Training:
+    """The run on `device`: set up from the spec and the features, resumed where a checkpoint says, its validation
+    samples loaded."""
+    setup = prepare(spec, layout, reader)
+    drafter = setup.drafter.to(device)
+    names = [n for n, p in drafter.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=spec.lr, betas=BETAS,
+                                  weight_decay=WEIGHT_DECAY)
+    run = _Training(spec, setup, device, setup.target_lm_head.to(device), optimizer, names, training_fields(spec),
+                    output, resume_source(spec, output, settings), 0, DataPosition(), {"train": [], "val": []})
+    if run.source is not None:
+        run.step, run.position, run.history = restore(run.source, drafter, optimizer, names, run.fields)
+        log.info("resuming from %s at step %d", run.source.uri, run.step)
+    # Where the features are deleted as training consumes them, the validation samples are kept with the
+    # checkpoints: a resumed run reads them there, not from shards that may be gone.
+    data = setup.data
+    data.val = (load_validation(run.source) if run.source is not None else None) or data.load_validation(spec.seed)
+    if len(data.val) < len(data.val_indices):
+        log.warning("validating on %d of %d validation samples (those of the first window that fit a quarter of "
+                    "cache_gb=%g)", len(data.val), len(data.val_indices), spec.cache_gb)
+    rank, world = _rank_world()
+    if run.releases and rank == 0:
+        save_validation(output, data.val)
+    run.info = {"total_steps": setup.total_steps, "train_samples": len(data.train), "val_samples": len(data.val),
+                "vocab_coverage": setup.vocab_coverage, "device": str(device), "processes": world,
+                "feature_windows": len(data.stream.windows(spec.seed, 0))}
+    return run
+
+
+def _optimize(run: _Training, model: nn.Module, batch: Any, real: bool, total: int) -> tuple[Counts, float]:
+    """One optimizer step on this rank's share of a global batch (`real`: not a padding one): the whole batch's
+    counts, and the learning rate."""
+    rank, world = _rank_world()
+    lr = lr_at(run.step, total, run.spec.warmup, run.spec.lr)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    with _autocast(run.spec, run.device):
+        r = model(batch, run.step, rank)
+    weight = 1.0 if real else 0.0
+    counts = Counts.of(r, batch.num_tokens, weight).all_sum()
+    (r.objective * (weight * world / counts.positions)).backward()
+    torch.nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], MAX_GRAD_NORM)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return counts, lr
 
 
 def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, report: Report, settings: Settings) -> None:
@@ -241,118 +392,80 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     device = placement(settings, spec.dtype).device  # this rank's GPU (LOCAL_RANK), or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    setup = prepare(spec, layout, reader)
-    drafter = setup.drafter.to(device)
-    head = setup.target_lm_head.to(device)
-    names = [n for n, p in drafter.named_parameters() if p.requires_grad]
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    fields = training_fields(spec)
-    data = setup.data
-    step, position, history = 0, DataPosition(), {"train": [], "val": []}
-    source = resume_source(spec, output, settings)
-    if source is not None:
-        step, position, history = restore(source, drafter, optimizer, names, fields)
-        log.info("resuming from %s at step %d", source.uri, step)
-    # Where the features are deleted as training consumes them, the validation samples are kept with the
-    # checkpoints: a resumed run reads them there, not from shards that may be gone.
-    releases = data.stream.releases
-    data.val = (load_validation(source) if source is not None else None) or data.load_validation(spec.seed)
-    if len(data.val) < len(data.val_indices):
-        log.warning("validating on %d of %d validation samples (those of the first window that fit a quarter of "
-                    "cache_gb=%g)", len(data.val), len(data.val_indices), spec.cache_gb)
-    if releases and rank == 0:
-        save_validation(output, data.val)
-    info = {"total_steps": setup.total_steps, "train_samples": len(data.train), "val_samples": len(data.val),
-            "vocab_coverage": setup.vocab_coverage, "device": str(device), "processes": world,
-            "feature_windows": len(data.stream.windows(spec.seed, 0))}
-
-    tops_train, tops_val = TargetTopCache(data.sample, head), TargetTopCache(data.val.__getitem__, head)
-    val_s = 0.0  # seconds of the last validation pass (a deadline keeps time for the one at the end)
-    if step == 0 and data.val:  # where training starts from, for the record
-        v0 = time.perf_counter()
-        history["val"].append({"step": 0, **validate(spec, setup, tops_val, device)})
-        val_s = time.perf_counter() - v0
-    model = TTTObjective(drafter, head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
+    run = _open(spec, layout, reader, output, settings, device)
+    data = run.data
+    tops_train, tops_val = TargetTopCache(data.sample, run.head), TargetTopCache(data.val.__getitem__, run.head)
+    if run.step == 0 and data.val:  # where training starts from, for the record
+        run.validate(tops_val)
+    model = TTTObjective(run.setup.drafter, run.head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    windows = data.windows(spec.seed)
-    stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, position, windows)
-    total, K, start = setup.total_steps, spec.ttt_steps, step
-    most = total  # the spec's steps: a deadline only shortens the run
-    deadline, pace = Deadline(spec.finish_by), Pace()  # seconds per step (its validations included)
-    window = None
-    if releases and rank == 0 and step < total:  # windows a run before this one finished (it may have crashed
-        data.stream.release_before(spec.seed, *stream.upcoming())  # between its checkpoint and the deletion)
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=True if rank else None)
-    pace.mark()
-    while step < total:
+    stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, run.position, data.windows(spec.seed))
+    total, start = run.setup.total_steps, run.step
+    schedule = _Schedule(total, Deadline(spec.finish_by), Pace())  # a deadline only shortens the spec's steps
+    if run.releases and rank == 0 and run.step < total:  # windows a run before this one finished (it may have
+        data.stream.release_before(spec.seed, *stream.upcoming())  # crashed between its checkpoint and the deletion)
+    bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=True if rank else None)
+    schedule.pace.mark()
+    while run.step < schedule.total:
         t0 = time.perf_counter()
-        if releases and window is not None and stream.upcoming() != window:
-            # leaving a window whose shards are deleted once used: commit a checkpoint past it first, so a crash
-            # never needs a deleted shard (only rank 0 writes; every rank has left the window)
-            if rank == 0:
-                save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
-                data.stream.release_before(spec.seed, *stream.upcoming())
-        global_batch = stream.next()
-        if stream.window != window:  # the next window of shards: load it, fetch the one after meanwhile
-            window = stream.window
-            data.enter(spec.seed, *window)
-            if not data.stream.whole:
-                tops_train.clear()
+        global_batch = run.next_batch(stream, tops_train, rank)
         mine, real = shard(global_batch, rank, world)
-        batch = tops_train.batch(mine, device)
-        lr = lr_at(step, total, spec.warmup, spec.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with _autocast(spec, device):
-            r = model(batch, step, rank)
-        weight = 1.0 if real else 0.0
-        stats = torch.cat([r.objective.detach().reshape(1), r.denom.reshape(1), r.ce_sum, r.correct, r.count,
-                           torch.tensor([float(batch.num_tokens)], device=r.count.device)]).double() * weight
-        stats = _all_sum(stats.cpu())
-        denom = float(stats[1].clamp(min=1))
-        (r.objective * (weight * world / denom)).backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        elapsed = time.perf_counter() - t0
-        acc = (stats[2 + K: 2 + 2 * K] / stats[2 + 2 * K: 2 + 3 * K].clamp(min=1)).tolist()
-        entry = {"step": step, "loss": float(stats[0]) / denom, "acc": acc, "lr": lr,
-                 "tokens_per_s": float(stats[-1]) / elapsed,
-                 # what each step trained on: its epoch, and its samples' indices in artifact order
-                 "epoch": stream.window[0], "samples": [data.train[p] for p in global_batch]}
-        history["train"].append(entry)
-        if data.val and (spec.val_interval and step % spec.val_interval == 0 or step == total):
-            v0 = time.perf_counter()
-            history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
-            val_s = time.perf_counter() - v0
-        if deadline and step < total:
-            pace.mark()
-            if pace.known:
-                total = _deadline_total(total, most, step, deadline, pace.seconds(), val_s)
-                if step == total and data.val and history["val"][-1]["step"] != step:  # stopped: the last validation
-                    history["val"].append({"step": step, **validate(spec, setup, tops_val, device)})
-            info["total_steps"] = bar.total = total
-        if rank == 0 and (step % spec.checkpoint_every == 0 or step == total):
-            save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
+        counts, lr = _optimize(run, model, tops_train.batch(mine, device), real, schedule.total)
+        run.history["train"].append({"step": run.step, "loss": counts.loss, "acc": counts.acc, "lr": lr,
+                                     "tokens_per_s": float(counts.tokens) / (time.perf_counter() - t0),
+                                     # what each step trained on: its epoch, and its samples' indices in artifact order
+                                     "epoch": stream.window[0], "samples": [data.train[p] for p in global_batch]})
+        _after_step(run, schedule, tops_val, stream.position)
+        bar.total = schedule.total
         bar.update(1)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}", acc0=f"{acc[0]:.3f}")
+        bar.set_postfix(loss=f"{counts.loss:.3f}", acc0=f"{counts.acc[0]:.3f}")
         if rank == 0:
-            metrics = {"step": step, "loss": entry["loss"], "acc": acc, "tokens_per_s": entry["tokens_per_s"]}
-            if history["val"]:
-                metrics.update(val_loss=history["val"][-1]["loss"], val_acc=history["val"][-1]["acc"])
-            report(step, total, metrics)
+            report(run.step, schedule.total, _metrics(run))
     bar.close()
-    if releases and rank == 0:  # the final checkpoint is committed: nothing read so far is needed again
+    if run.releases and rank == 0:  # the final checkpoint is committed: nothing read so far is needed again
         data.stream.release_before(spec.seed, *stream.upcoming())
-    if rank == 0 and source is not None and source is not output and step == start:
+    if rank == 0 and run.source is not None and run.source is not output and run.step == start:
         # a finished run resumed from another artifact (e.g. one trained across nodes): its last checkpoint is
         # this job's result
-        save_checkpoint(output, step, drafter, optimizer, names, stream.position, history, fields, info)
+        run.checkpoint(stream.position)
     if dist.is_initialized():
         dist.barrier()
+
+
+@dataclass
+class _Schedule:
+    """The run's total steps, which a deadline shortens from the pace of the steps so far."""
+
+    total: int
+    deadline: Deadline
+    pace: Pace  # seconds per step (its validations included)
+
+
+def _after_step(run: _Training, schedule: _Schedule, tops_val: TargetTopCache, position: DataPosition) -> None:
+    """A step's validation (every val_interval, and the last), its re-fit to the deadline, and its checkpoint."""
+    spec, step, (rank, _) = run.spec, run.step, _rank_world()
+    if run.data.val and (spec.val_interval and step % spec.val_interval == 0 or step == schedule.total):
+        run.validate(tops_val)
+    if schedule.deadline and step < schedule.total:
+        schedule.pace.mark()
+        if schedule.pace.known:
+            schedule.total = _deadline_total(schedule.total, run.setup.total_steps, step, schedule.deadline,
+                                             schedule.pace.seconds(), run.val_s)
+            if step == schedule.total and run.data.val and run.history["val"][-1]["step"] != step:
+                run.validate(tops_val)  # stopped: the last validation
+        run.info["total_steps"] = schedule.total
+    if rank == 0 and (step % spec.checkpoint_every == 0 or step == schedule.total):
+        run.checkpoint(position)
+
+
+def _metrics(run: _Training) -> dict[str, Any]:
+    """The progress a step reports: its training loss, accuracy and speed, and the last validation's."""
+    entry = run.history["train"][-1]
+    metrics = {"step": run.step, "loss": entry["loss"], "acc": entry["acc"], "tokens_per_s": entry["tokens_per_s"]}
+    if run.history["val"]:
+        metrics.update(val_loss=run.history["val"][-1]["loss"], val_acc=run.history["val"][-1]["acc"])
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
