@@ -1,6 +1,6 @@
 """`eyas run --minutes N`: the budget's arithmetic. A budget is a deadline; a plan is a forecast.
 
-From the rates orchestration/probe.py measures in the run's first seconds, `plan_run` sizes the prompts, the
+From the rates orchestration/machine_rate.py measures in the run's first seconds, `plan_run` sizes the prompts, the
 evaluation prompts and, for budgets too small for one batch, the answer length, so that the whole run fits with
 MAX_EPOCHS epochs of training. That plan only sets each stage's first share of the budget: every
 stage then works to a deadline (its spec's `finish_by`) and stops at its own boundary, and at every stage boundary

@@ -22,7 +22,7 @@ from orchestration.budget import (
     speed,
     stage_seconds,
 )
-from orchestration.probe import measure_rates, rates_line
+from orchestration.machine_rate import measure_rates, rates_line
 
 
 def took(job: Any) -> float:

@@ -1,7 +1,7 @@
 """`eyas run`: generate → extract → train → evaluate on the embedded default, with progress for each stage.
 
 The run keeps to a time budget (`--minutes`, default 10): it measures this machine's rates in its first seconds
-(orchestration/probe.py) and plans each stage's share (orchestration/budget.py); each stage then works to its
+(orchestration/machine_rate.py) and plans each stage's share (orchestration/budget.py); each stage then works to its
 deadline (generation keeps producing answers, training keeps stepping, evaluation keeps scoring prompts until
 theirs), and at every stage boundary the rest is re-planned from how fast the stages actually went. It prints the
 plan, each re-plan, and ends with the stage times planned, re-planned and taken. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a

@@ -235,7 +235,7 @@ def test_the_probe_keeps_each_rates_fastest_reading_so_a_hog_in_one_reading_does
     from dataclasses import replace
 
     from orchestration.budget import first_shares, plan_run
-    from orchestration.probe import fastest
+    from orchestration.machine_rate import fastest
 
     # a hog that ended during the first reading's decoding: only that rate read 4x slow (measured: 42 tok/s, 184 quiet)
     hogged = replace(QUIET, decode_tok_s=QUIET.decode_tok_s / 4, decode_half_tok_s=QUIET.decode_half_tok_s / 4)

@@ -28,7 +28,7 @@ from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target, resolve_target
 from orchestration.embedded import EmbeddedRunner
 from services.extractor.core import layout_for
-from services.extractor.vllm_backend import Engine, EngineConfig
+from services.extractor.vllm_backend import CaptureEngine, EngineConfig
 from tests.datasets import write_dataset
 
 
@@ -102,7 +102,7 @@ def test_a_failing_capture_engine_is_reported_with_its_logs_last_lines(tmp_path,
     config = EngineConfig(python=sys.executable, target=str(resolve_target(BUNDLED)), aux_layers=(1, 14, 26),
                           num_layers=30, dtype="float32", tensor_parallel_size=1, max_model_len=64)
     with pytest.raises(RuntimeError, match="capture engine exited") as failed:
-        Engine(config, check=lambda: None, log_dir=tmp_path / "logs")
+        CaptureEngine(config, check=lambda: None, log_dir=tmp_path / "logs")
     [log] = (tmp_path / "logs").iterdir()
     assert "No module named 'vllm'" in log.read_text()  # the engine's traceback, in its log
     assert str(log) in str(failed.value) and "No module named 'vllm'" in str(failed.value)

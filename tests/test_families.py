@@ -35,7 +35,7 @@ from eyas.target import load_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, greedy, measure_acceptance, stop_ids
-from services.generator.probe import EndpointServesAnotherModel
+from services.generator.endpoint_check import EndpointServesAnotherModel
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
 from tests.servers import REPO, VLLM_PYTHON, vllm_server

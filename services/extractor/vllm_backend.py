@@ -46,7 +46,7 @@ class EngineConfig:
 LOG_TAIL_LINES = 20  # of the engine's log, in the error of an engine that failed
 
 
-class Engine:
+class CaptureEngine:
     def __init__(self, config: EngineConfig, check: Callable[[], None], log_dir: Path):
         self.config = config
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +142,7 @@ class Engine:
         self.log.close()
 
 
-_engine: Engine | None = None
+_engine: CaptureEngine | None = None
 _lock = threading.Lock()
 
 
@@ -158,7 +158,7 @@ def extract_with_vllm(config: EngineConfig, output_uri: str, dtype: str, shards,
             _engine.close()
             _engine = None
         if _engine is None:
-            _engine = Engine(config, check, log_dir)
+            _engine = CaptureEngine(config, check, log_dir)
         try:
             return _engine.extract(output_uri, dtype, shards, work, progress, uploaded, check), _engine.log_path
         except BaseException:

@@ -23,11 +23,11 @@ from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest
 from eyas.prompts import Prompt
 from eyas.stage import StageContext, StageResult
 from eyas.target import load_tokenizer, tokenizer_hash
+from services.generator.endpoint_check import check_endpoint
 from services.generator.engine import Engine, HttpEngine, InProcessEngine
 from services.generator.gather import prompt_batches
 from services.generator.generate import Generator
 from services.generator.journal import Journal
-from services.generator.probe import check_endpoint
 from services.generator.server_load import ServerLoad
 from services.generator.spec import Spec
 from services.generator.throttle import Throttle, initial_limit
@@ -62,12 +62,12 @@ def _most_in_flight(spec: Spec, ctx: StageContext) -> int:
 
 
 async def _generate(spec: Spec, ctx: StageContext, engine: Engine, prompts: dict[str, Prompt], work: Work,
-                    journal: Journal, already: int, coordinator: bool) -> dict[str, int]:
+                    journal: Journal, already: int, owner: bool) -> dict[str, int]:
     """A helper's share of a job: the prompts `work` hands out."""
     throttle = _make_throttle(spec, ctx)
     try:
         gen = Generator(spec, engine, throttle, journal, ctx)
-        await gen.run(prompts, work, already, coordinator)
+        await gen.run(prompts, work, already, owner)
         return gen.stats
     finally:
         await throttle.aclose()
@@ -98,7 +98,7 @@ def _share_work(spec: Spec, ctx: StageContext, pending: list[str]) -> Work:
 
 @dataclasses.dataclass
 class _Generated:
-    """What a run's generation did: the prompts handed out, in order, and their sources' counts; the coordinator's
+    """What a run's generation did: the prompts handed out, in order, and their sources' counts; the owner's
     own stats and the helpers' (`shared`); how many prompts this run had pending, and those an earlier run of the
     job finished (`resumed`)."""
 
@@ -110,7 +110,7 @@ class _Generated:
     pending: int = 0
 
 
-async def _coordinate(spec: Spec, ctx: StageContext, tokenizer: Any, journal: Journal) -> _Generated:
+async def _run_as_owner(spec: Spec, ctx: StageContext, tokenizer: Any, journal: Journal) -> _Generated:
     """Generate the job's prompts, a batch at a time, until they are done or the deadline stops them."""
     engine = _make_engine(spec, ctx)
     try:
@@ -152,7 +152,7 @@ async def _generate_batch(spec: Spec, ctx: StageContext, gen: Generator, got: li
     work = _share_work(spec, ctx, list(pending))
     gen.journal.on_commit = work.finished
     try:
-        await gen.run(pending, work, len(out.prompts) - len(pending), coordinator=True)
+        await gen.run(pending, work, len(out.prompts) - len(pending), owner=True)
         for k, v in work.shared_stats().items():  # what the helpers counted
             out.shared[k] = out.shared.get(k, 0) + v
     finally:
@@ -160,12 +160,12 @@ async def _generate_batch(spec: Spec, ctx: StageContext, gen: Generator, got: li
 
 
 def run(spec: Spec, ctx: StageContext) -> StageResult:
-    """The job's own task (the coordinator): resolve the prompts, generate them (with helpers where the deployment
+    """The job's own task (the owner): resolve the prompts, generate them (with helpers where the deployment
     shares the work), and fold the journal into the final shards."""
     tokenizer = load_tokenizer(spec.target)
     journal = Journal(ctx.output, flush_every=spec.checkpoint_every)
     t0 = time.monotonic()
-    out = asyncio.run(_until_cancelled(ctx, _coordinate(spec, ctx, tokenizer, journal)))
+    out = asyncio.run(_until_cancelled(ctx, _run_as_owner(spec, ctx, tokenizer, journal)))
     elapsed = time.monotonic() - t0
     results = journal.load()  # every participant's samples
     dead = journal.load_dead()
@@ -217,7 +217,7 @@ def _metrics(out: _Generated, records: list[dict], failures: list[dict], elapsed
     unreached = len(out.prompts) - len(records) - len(failures)
     completion_tokens = sum(t["completion_tokens"] for r in records for t in r["turns"])
     # Counted from the records, not from what each participant reported (a helper reports after its last commit,
-    # which may be after the coordinator finished): this run's tokens are those of the prompts not resumed.
+    # which may be after the owner finished): this run's tokens are those of the prompts not resumed.
     new_tokens = sum(t["completion_tokens"] for r in records if r["id"] not in out.resumed for t in r["turns"])
     return {"completed": len(records), "failed": len(failures),
             "retried": out.stats["retried"] + out.shared.get("retried", 0),
@@ -239,7 +239,7 @@ def assist(spec: Spec, ctx: StageContext, work: Work) -> None:
     async def main() -> dict[str, int]:
         engine = _make_engine(spec, ctx)
         try:
-            return await _generate(spec, ctx, engine, prompts, work, journal, 0, coordinator=False)
+            return await _generate(spec, ctx, engine, prompts, work, journal, 0, owner=False)
         finally:
             await engine.aclose()
 

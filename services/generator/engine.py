@@ -70,7 +70,7 @@ class HttpEngine:
         self.timeout_s = timeout_s
         self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1")
         self.model = model
-        self.api_key = api_key  # the endpoint check (services.generator.probe) sends it too
+        self.api_key = api_key  # the endpoint check (services.generator.endpoint_check) sends it too
         self.min_tokens_per_s = min_tokens_per_s
         self.max_connections = max_connections  # also the most raw completions `complete_many` keeps in flight
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

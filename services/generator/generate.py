@@ -125,7 +125,7 @@ class Generator:
                 **({"meta": prompt.meta} if prompt.meta else {})}
 
     def _report(self, work: Work, total: int, already: int) -> None:
-        """The coordinator's view on the job record: every participant's finished prompts, its own rates."""
+        """The owner's view on the job record: every participant's finished prompts, its own rates."""
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         self.ctx.metrics.update(**self.stats, in_flight=self.throttle.in_flight,
                                 concurrency=round(self.throttle.limit.limit, 2),
@@ -133,12 +133,12 @@ class Generator:
         own = self.stats["completed"] + self.stats["failed"]
         self.ctx.progress(already + max(own, work.finished_count()), total, "prompts")
 
-    async def run(self, prompts: dict[str, Prompt], work: Work, already: int = 0, coordinator: bool = True) -> None:
-        """Generate the prompts `work` hands out, journaling each; `already` were finished before. The coordinator
+    async def run(self, prompts: dict[str, Prompt], work: Work, already: int = 0, owner: bool = True) -> None:
+        """Generate the prompts `work` hands out, journaling each; `already` were finished before. The owner
         also waits until no prompt is open anywhere (taking over the claims of participants that died)."""
         from tqdm.asyncio import tqdm
 
-        total = already + len(prompts) if coordinator else len(prompts)
+        total = already + len(prompts) if owner else len(prompts)
         bar = tqdm(total=total, initial=already, desc="generate", unit="prompt")
 
         async def worker():
@@ -149,7 +149,7 @@ class Generator:
                 prompt_id = work.claim()
                 if prompt_id is None:
                     await self.journal.commit()  # commit (and so release) what this process holds before waiting
-                    if not coordinator or work.open_count() == 0:
+                    if not owner or work.open_count() == 0:
                         return
                     await asyncio.sleep(0.5)  # others hold claims: wait, and take over any that lapse
                     self._report(work, total, already)
@@ -168,7 +168,7 @@ class Generator:
                     self.stats["completed"] += 1
                     self.stats["completion_tokens"] += sum(t["completion_tokens"] for t in rec["turns"])
                 bar.update(1)
-                if coordinator:
+                if owner:
                     self._report(work, total, already)
 
         # Two tasks per slot this process may hold, so that prompts waiting out a retry's backoff leave no slot idle;
