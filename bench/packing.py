@@ -7,7 +7,7 @@ epochs of the plan (services.trainer.data.epoch_plan). Tokens/s: the trainer's s
 AdamW) over one epoch of each plan, after an untimed epoch that fills the target top-1 cache; `--repeats` epochs
 of each, interleaved, the median reported.
 
-    .venv/bin/python bench/packing.py [--prompts 64] [--max-tokens 96] [--batch-tokens 512] [--repeats 3]
+    .venv/bin/python bench/packing.py [--prompts 48] [--max-tokens 96] [--batch-tokens 512] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from services.trainer.train import BETAS, LOSS_DECAY, MAX_GRAD_NORM, TargetTopCa
 from services.trainer.vocab import select_vocab, token_counts
 
 GENERATE_BATCH = 16
+PROMPT_CHARS = 600  # make run's synthesized prompts are a sentence or two: longer ShareGPT turns are cut
 
 
 def answered_samples(n: int, max_tokens: int):
@@ -42,7 +43,7 @@ def answered_samples(n: int, max_tokens: int):
     layout = layout_for(target, None)
     tok = target.tokenizer
     tok.padding_side = "left"  # generation continues every prompt from its last token
-    prompts = [p.user_turns[0][:2000] for p in load_prompts(bundled_prompt_file("sharegpt"))[:n]]
+    prompts = [p.user_turns[0][:PROMPT_CHARS] for p in load_prompts(bundled_prompt_file("sharegpt"))[:n]]
     samples = []
     for i in range(0, len(prompts), GENERATE_BATCH):
         chats = [[{"role": "user", "content": p}] for p in prompts[i: i + GENERATE_BATCH]]
@@ -69,7 +70,7 @@ def padding(plans: list[list[list[list[int]]]], lengths: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batch-tokens", type=int, default=CPU_PRESET["batch_tokens"])
     ap.add_argument("--ttt-steps", type=int, default=CPU_PRESET["ttt_steps"])
