@@ -7,7 +7,7 @@ epochs of the plan (services.trainer.data.epoch_plan). Tokens/s: the trainer's s
 AdamW) over one epoch of each plan, after an untimed epoch that fills the target top-1 cache; `--repeats` epochs
 of each, interleaved, the median reported.
 
-    .venv/bin/python bench/packing.py [--prompts 48] [--max-tokens 96] [--batch-tokens 512] [--repeats 3]
+    .venv/bin/python bench/packing.py [--features URI] [--prompts 48] [--max-tokens 96] [--batch-tokens 512] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ import torch
 
 from eyas.capture import capture
 from eyas.device import placement
-from eyas.features import Sample
+from eyas.features import FeatureReader, Sample
 from eyas.methods.eagle3 import build_drafter
 from eyas.prompts import bundled_prompt_file, load_prompts
 from eyas.render import render_conversation
 from eyas.settings import get_settings
+from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target, load_target_head
 from eyas.ttt import ttt_forward
 from services.extractor.core import layout_for
@@ -70,6 +71,7 @@ def padding(plans: list[list[list[list[int]]]], lengths: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--features", help="a features artifact URI to measure on (default: answers generated here)")
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batch-tokens", type=int, default=CPU_PRESET["batch_tokens"])
@@ -80,7 +82,11 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    samples, layout = answered_samples(args.prompts, args.max_tokens)
+    if args.features:
+        reader = FeatureReader(open_artifact(args.features))
+        samples, layout = list(reader.samples()), reader.layout
+    else:
+        samples, layout = answered_samples(args.prompts, args.max_tokens)
     lengths = [s.input_ids.numel() for s in samples]
     print(f"{len(samples)} samples, {sum(lengths)} tokens (length {min(lengths)}–{max(lengths)}, median "
           f"{statistics.median(lengths):.0f}), built in {time.perf_counter() - t0:.0f} s")
