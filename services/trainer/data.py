@@ -7,8 +7,8 @@
   (seed, window, e), grouped by length inside runs of `GROUP` samples (little padding), cut into batches of at most
   `batch_tokens` padded tokens (a longer sample forms a batch alone) and the batches shuffled; the epoch is its
   windows' batches one window after the other. A batch is a list of rows, a row a list of samples: one sample each,
-  or, packed (`pack`), each run's samples first-fit into rows as wide as its longest sample, `batch_tokens` of
-  rows a batch. The same (seed, epoch, lengths, windows, budget) give the same plan,
+  or, packed (`pack`), each run's samples first-fit into rows that split `batch_tokens` evenly, each at least
+  twice the run's longest sample (attention is dense over a row: it costs at most a few times a padded batch's). The same (seed, epoch, lengths, windows, budget) give the same plan,
   and with one window it is a shuffle of every train sample with every other.
 - Position: `DataPosition(epoch, index)` names the next batch; a checkpoint stores it and resume continues there.
 - Data parallel: every rank walks the same global plan and takes its share of each batch's rows (`shard`).
@@ -98,16 +98,19 @@ def plan_features(stream: FeatureStream, val_every: int, vocab_size: int) -> Tra
 
 
 def epoch_plan(lengths: list[int], batch_tokens: int, seed: int, epoch: int, pack: bool = False) -> list[Rows]:
-    """The batches (rows of sample indices) of one epoch; a pure function of its arguments. `pack`: a run's rows
-    are as wide as its longest sample W, and a batch holds batch_tokens // W of them (one at least)."""
+    """The batches (rows of sample indices) of one epoch; a pure function of its arguments. `pack`: a batch
+    holds R = batch_tokens // (2 · the run's longest sample) rows (one at least) of batch_tokens // R tokens."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
     batches: list[Rows] = []
     for w in range(0, len(order), GROUP):
         window = sorted(order[w: w + GROUP], key=lambda i: (-lengths[i], i))
         if pack:
-            width = lengths[window[0]]
-            rows, per = pack_rows(window, lengths, width), max(1, batch_tokens // width)
+            # rows at least twice the run's longest sample (any two of its samples share one), batch_tokens
+            # divided evenly between them, so a batch fills its budget; one row of a longer sample alone
+            longest = lengths[window[0]]
+            per = max(1, batch_tokens // (2 * longest))
+            rows = pack_rows(window, lengths, max(longest, batch_tokens // per))
             batches += [rows[r: r + per] for r in range(0, len(rows), per)]
         else:
             batches += [[[i] for i in batch] for batch in cut_batches(window, lengths, batch_tokens)]
