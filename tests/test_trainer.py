@@ -531,7 +531,8 @@ def test_interrupted_run_resumes_with_the_same_next_losses(emb, features, method
 
 
 def test_ddp_two_processes_match_one(emb, features):
-    spec = core.Spec(features=features, steps=2, val_interval=0, **{**SMALL, "batch_tokens": 512})
+    # the batches DDP trains: a sample per row (one process packs them unless told not to)
+    spec = core.Spec(features=features, steps=2, val_interval=0, pack=False, **{**SMALL, "batch_tokens": 512})
     one, two = context(emb, "trn-one"), context(emb, "trn-two")
     core.run(spec, one)
     core.run(spec.model_copy(update={"processes": 2}), two)
