@@ -169,11 +169,11 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
     tokens = supervised = 0
     flops = 0.0
     t0 = 0.0
-    for i, indices in enumerate(plan):
+    for i, rows in enumerate(plan):
         if i == WARMUP_STEPS:  # timing starts after the warm-up steps (kernels, target top-1 cache)
             sync(device)
             t0 = time.perf_counter()
-        batch = tops.batch(indices, device)
+        batch = tops.batch(rows, device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             r = model(batch)
         (r.objective / r.denom.clamp(min=1)).backward()

@@ -82,7 +82,7 @@ def child(mode: str, features: Path, cache_bytes: int) -> None:
                 batch = batches.next()
                 data.enter(0, *batches.window)
                 disk.look()
-                touched += sum(float(data.sample(p).aux_hidden.float().sum()) for p in batch)
+                touched += sum(float(data.sample(p).aux_hidden.float().sum()) for row in batch for p in row)
             stream.close()
             fetched = stream.cache.fetched
         peak = disk.stop()

@@ -145,7 +145,8 @@ def main() -> None:
     embed, head = load_target_head(BUNDLED)
     used = select_vocab(token_counts(samples, head.shape[0]), args.vocab)
     lengths = [s.input_ids.numel() for s in samples]
-    plan = [b for e in range(100) for b in epoch_plan(lengths, args.batch_tokens, 0, e)][: args.steps]
+    # a sample per row: the reference step takes padded batches
+    plan = [[i for [i] in b] for e in range(100) for b in epoch_plan(lengths, args.batch_tokens, 0, e)][: args.steps]
     tokens = sum(lengths[i] for b in plan for i in b)
     supervised = sum(int(samples[i].loss_mask.sum()) for b in plan for i in b)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
@@ -170,7 +171,8 @@ def main() -> None:
                     batch = collate([samples[i] for i in indices]).to(device)
                     loss = reference_step(drafter, batch, head_on, args.ttt_steps)
                 else:
-                    loss = ttt_forward(drafter, tops.batch(indices, device), head_on, args.ttt_steps, LOSS_DECAY).loss
+                    loss = ttt_forward(drafter, tops.batch([[i] for i in indices], device), head_on, args.ttt_steps,
+                                       LOSS_DECAY).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             opt.step()

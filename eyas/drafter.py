@@ -143,10 +143,14 @@ class TTTCache:
     `past`: step-0 keys/values of context rows processed by an earlier draft (decoding continues from them, as a
     KV cache, and step 0 then runs on the new rows only)."""
 
-    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None = None, within: torch.Tensor | None = None):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.past = past
+        # packed rows (training): [B, 1, T, T] bool, True where query t may see step-0 key u (u ≤ t, same sample),
+        # so no sample attends to another; None: causal over the whole row. Keys of steps ≥ 1 sit at the query's
+        # own index, inside its sample already.
+        self.within = within
 
 
 class Attention(nn.Module):
@@ -175,6 +179,7 @@ class Attention(nn.Module):
         if len(cache.keys) == 1:  # step 0: plain causal attention over the context
             past = k.shape[2] - Tq
             mask = None if past == 0 else torch.ones(Tq, k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+            mask = cache.within if cache.within is not None else mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
             out = self._ttt_attention(q, cache)
@@ -187,7 +192,7 @@ class Attention(nn.Module):
         s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, Tq, T0]
         q_idx = torch.arange(T0 - Tq, T0, device=q.device)  # queries are the last Tq step-0 indices
         causal = torch.arange(T0, device=q.device)[None, :] <= q_idx[:, None]  # [Tq, T0]
-        s0 = s0.masked_fill(~causal, float("-inf"))
+        s0 = s0.masked_fill(~(causal if cache.within is None else cache.within), float("-inf"))
         kd = torch.stack(cache.keys[1:], dim=-2)  # [B, nh, Tq, j, hd] — same-index keys of steps 1..j
         vd = torch.stack(cache.values[1:], dim=-2)
         sd = (q.unsqueeze(-2) * kd).sum(-1) * scale  # [B, nh, Tq, j]

@@ -10,6 +10,7 @@ TTT step k = 0..K-1 at index t:
   attention step-0 keys causally (indices ≤ t) + the key of each step 1..k at index t (Drafter/TTTCache)
   label     p = softmax over the draft vocabulary of y_{t+1+k} @ lm_head^T restricted to t2d ids (renormalized)
   mask      l_{t+k} · t2d[argmax_full-vocab(y_{t+1+k} @ lm_head^T)] · [t+1+k < length]
+            (packed rows: · [t+1+k in t's sample]; positions and step-0 attention restart at each sample)
   loss      soft cross-entropy −Σ_v p_v log q_v, q = softmax(draft logits)
   accuracy  argmax q == argmax p (both in draft vocabulary space) over masked positions
 Objective: Σ_k decay^k · Σ_masked CE_k / N, N = the number of masked step-0 positions (`TTTResult.denom`).
@@ -78,6 +79,17 @@ def _head_loss(drafter: Drafter, hidden: torch.Tensor, label: torch.Tensor,
     return ce_sum, (logits.detach().argmax(-1) == label_top).sum().float()
 
 
+def _rows(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Positions [B, T], and for packed rows the token's sample [B, T] and the step-0 attention mask [B, 1, T, T]
+    (causal inside each sample), so that each sample sees only itself, from its own position 0."""
+    B, T = batch.input_ids.shape
+    if batch.segments is None or batch.positions is None:  # (collate_rows sets both or neither)
+        return torch.arange(T, device=device)[None, :].expand(B, T), None, None
+    segments = batch.segments.to(device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return batch.positions.to(device), segments, (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
 def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, steps: int,
                 decay: float = 0.8, recompute: bool = False) -> TTTResult:
     """Run `steps` TTT steps of `drafter` over `batch` (docs/eagle3.md §4) and return the loss terms and accuracy counts.
@@ -110,8 +122,8 @@ def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, st
         p_top = p.argmax(-1)  # [B, T]
 
     hidden = drafter.project(batch.aux_hidden.to(device, dtype))
-    cache = TTTCache()
-    positions = torch.arange(T, device=device)[None, :].expand(B, T)
+    positions, segments, within = _rows(batch, device)
+    cache = TTTCache(within=within)
     objective = torch.zeros((), device=device)
     ce_sums, corrects, counts = [], [], []
     for k in range(steps):
@@ -122,6 +134,8 @@ def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, st
         fed, state = drafter.feed(tokens, hidden) if k else (tokens, hidden)
         hidden = drafter.step(fed, state, positions + k, cache)
         mask = lmask[:, k: k + n].bool() & usable[:, s:]  # [B, n]
+        if segments is not None:  # the label t+s of another sample is no label of t's
+            mask &= segments[:, :n] == segments[:, s:]
         # The lm_head runs only on masked positions (no prompt, no padding): it is the costliest matmul.
         head = (drafter, hidden[:, :n][mask], p[:, s:][mask], p_top[:, s:][mask])
         ce_sum, correct = (checkpoint(_head_loss, *head, use_reentrant=False) if recompute and torch.is_grad_enabled()

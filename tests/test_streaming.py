@@ -93,7 +93,7 @@ def test_an_epoch_through_a_small_cache_trains_on_every_sample_once_in_a_resumab
     assert not stream.whole and 6 <= len(stream.windows(0, 0)) < 12
     assert data.train == [i for i in range(60) if not is_validation(i, 10)] and len(data.val_indices) == 6
     windows = data.windows(seed=0)
-    batches = BatchStream(data.lengths, 256, seed=0, windows=windows)
+    batches = BatchStream(data.lengths, 256, seed=0, windows=windows, pack=True)
     every = list(FeatureReader(open_artifact(uri)).samples())  # artifact order, read plainly
     # the index plans what a scan of the features would: lengths and the train samples' supervised ids
     assert data.lengths == [every[i].input_ids.numel() for i in data.train]
@@ -110,13 +110,14 @@ def test_an_epoch_through_a_small_cache_trains_on_every_sample_once_in_a_resumab
         batch = batches.next()
         data.enter(0, *batches.window)
         peak = max(peak, sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()))
-        for position in batch:  # read from the loaded window: the sample the artifact holds at that index
+        positions = [p for row in batch for p in row]
+        for position in positions:  # read from the loaded window: the sample the artifact holds at that index
             assert torch.equal(data.sample(position).aux_hidden, every[data.train[position]].aux_hidden)
-        seen += batch
+        seen += positions
         order.append(batch)
     assert sorted(seen) == list(range(len(data.train)))  # every train sample once
     assert peak <= 4 * shard
-    resumed = BatchStream(data.lengths, 256, seed=0, position=DataPosition(0, 3), windows=windows)
+    resumed = BatchStream(data.lengths, 256, seed=0, position=DataPosition(0, 3), windows=windows, pack=True)
     assert [resumed.next() for _ in range(len(order) - 3)] == order[3:]
     stream.close()
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyas.batching import collate, eval_plan
+from eyas.batching import collate, collate_rows, eval_plan
 from eyas.drafter import NORM_FLAGS, Drafter, TTTCache
 from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
 from eyas.features import FeatureReader, is_validation
@@ -28,6 +28,7 @@ from eyas.target import BUNDLED, BUNDLED_HUB_ID, load_target_head, load_tokenize
 from eyas.ttt import label_rows, target_top, ttt_forward
 from orchestration.embedded import EmbeddedRunner
 from services.trainer import core
+from services.trainer.data import epoch_plan
 from services.trainer.spec import Spec
 from services.trainer.vocab import select_vocab, token_counts
 
@@ -197,6 +198,62 @@ def test_ttt_forward_is_the_serving_recursion(features):
     alone = ttt_forward(drafter, collate([longer]), head, steps, decay=0.8)
     torch.testing.assert_close(both.ce_sum, got.ce_sum + alone.ce_sum, rtol=1e-4, atol=1e-3)
     assert both.count.tolist() == (got.count + alone.count).tolist()
+
+
+@pytest.mark.parametrize("parallel", [False, True])  # EAGLE-3's chain, P-EAGLE's mask slots
+def test_a_packed_row_trains_each_sample_as_if_it_were_alone(features, parallel):
+    """Samples packed into one row give each sample the loss terms, accuracy counts and gradient it gets alone:
+    attention, positions and the TTT steps' shifted labels stay inside each sample."""
+    reader = FeatureReader(open_artifact(features))
+    a, b, c = sorted(reader.samples(), key=lambda s: s.input_ids.numel())[:3]
+    embed, head = load_target_head(BUNDLED)
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(BUNDLED, 2048, BUNDLED_LAYOUT, parallel=parallel))
+    drafter.embed_tokens.weight.copy_(embed)
+    drafter.set_vocab(select_vocab(sum(torch.bincount(s.input_ids, minlength=49152) for s in (a, b, c)), 2048))
+
+    def run(batch):
+        drafter.zero_grad()
+        r = ttt_forward(drafter, batch, head, 3, decay=0.8)
+        r.objective.backward()
+        return r, drafter.fc.weight.grad.clone()
+
+    def masked(s, keep: bool):  # the sample, its loss mask zeroed unless kept
+        return type(s)(s.input_ids, s.loss_mask * int(keep), s.aux_hidden, s.final_hidden)
+
+    alone = [run(collate([s])) for s in (a, b, c)]
+    packed = collate_rows([[c, a, b]])
+    assert packed.segments is not None and packed.lengths.tolist() == [sum(s.input_ids.numel() for s in (a, b, c))]
+    for s, (want, want_grad) in zip((a, b, c), alone, strict=True):  # each alone in the packed row c, a, b
+        got, grad = run(collate_rows([[masked(t, t is s) for t in (c, a, b)]]))  # its neighbours supervise nothing
+        assert got.count.tolist() == want.count.tolist() and want.count[0] > 0
+        assert got.correct.tolist() == want.correct.tolist()
+        torch.testing.assert_close(got.ce_sum, want.ce_sum, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5 * float(want_grad.abs().max()))
+    # all three packed, and packed with a padded second row: the sums of the three alone
+    for rows in ([[c, a, b]], [[c, a], [b]]):
+        got, grad = run(collate_rows(rows))
+        assert got.count.tolist() == sum(r.count for r, _ in alone).tolist()
+        assert got.correct.tolist() == sum(r.correct for r, _ in alone).tolist()
+        torch.testing.assert_close(got.ce_sum, sum(r.ce_sum for r, _ in alone), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grad, sum(g for _, g in alone), rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+
+
+def test_packed_plan_visits_every_sample_once_within_budget_with_less_padding():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 400, (300,), generator=g).tolist()
+    padded, packed = (epoch_plan(lengths, 1024, seed=0, epoch=0, pack=pack) for pack in (False, True))
+    for plan in (padded, packed):
+        assert sorted(i for batch in plan for row in batch for i in row) == list(range(300))
+
+    def cells(batch):  # tokens the batch's tensors hold: rows × the fullest row
+        return len(batch) * max(sum(lengths[i] for i in row) for row in batch)
+
+    assert all(len(row) == 1 for batch in padded for row in batch)
+    assert all(cells(batch) <= 1024 for batch in packed)
+    assert any(len(row) > 1 for batch in packed for row in batch)
+    pad = [1 - sum(lengths) / sum(cells(batch) for batch in plan) for plan in (padded, packed)]
+    assert pad[1] < pad[0] / 2, pad
 
 
 # ---------------------------------------------------------------- training
@@ -474,7 +531,8 @@ def test_interrupted_run_resumes_with_the_same_next_losses(emb, features, method
 
 
 def test_ddp_two_processes_match_one(emb, features):
-    spec = core.Spec(features=features, steps=2, val_interval=0, **{**SMALL, "batch_tokens": 512})
+    # the batches DDP trains: a sample per row (one process packs them unless told not to)
+    spec = core.Spec(features=features, steps=2, val_interval=0, pack=False, **{**SMALL, "batch_tokens": 512})
     one, two = context(emb, "trn-one"), context(emb, "trn-two")
     core.run(spec, one)
     core.run(spec.model_copy(update={"processes": 2}), two)

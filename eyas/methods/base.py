@@ -33,6 +33,7 @@ class DraftingMethod(ABC):
     served_by: ClassVar[tuple[tuple[str, str], ...]]
     parallel: ClassVar[bool]  # drafts all K tokens in one forward (else a chain, one forward per token)
     fixed_block: ClassVar[bool]  # drafts a fixed block (K = its training's ttt_steps, whatever K is asked)
+    packs: ClassVar[bool]  # its objective keeps each sample of a packed row to itself (eyas.batching.collate_rows)
     draft_vocab: ClassVar[bool]  # proposes from a draft vocabulary of Vd ids (else the target's whole vocabulary)
     takes_norms: ClassVar[bool]  # EAGLE 3.1's norm flags apply to it
     several_layers: ClassVar[bool]  # draft_layers may exceed 1

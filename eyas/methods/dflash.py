@@ -49,6 +49,9 @@ class DFlash(DraftingMethod):
     served_by = (("vllm", DFLASH_DIR),)
     parallel = True
     fixed_block = True
+    # its blocks start at DFLASH_ANCHORS random anchors per row and attend over the row: packed, a sample would get
+    # a share of its row's anchors and see its neighbours, so DFlash trains on a sample per row
+    packs = False
     draft_vocab = False  # the target's whole vocabulary: it drafts with the target's lm_head
     takes_norms = False
     several_layers = True

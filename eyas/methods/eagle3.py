@@ -56,6 +56,7 @@ class Eagle3(DraftingMethod):
     served_by = (("vllm", EAGLE_DIR), ("vllm", SPECULATORS_DIR), ("sglang", EAGLE_DIR))
     parallel = False
     fixed_block = False
+    packs = True  # eyas.ttt masks attention and labels by sample
     draft_vocab = True
     takes_norms = True
     several_layers = False

@@ -6,10 +6,12 @@
 - Order: within each window of epoch e, the window's train samples are shuffled with a generator seeded by
   (seed, window, e), grouped by length inside runs of `GROUP` samples (little padding), cut into batches of at most
   `batch_tokens` padded tokens (a longer sample forms a batch alone) and the batches shuffled; the epoch is its
-  windows' batches one window after the other. The same (seed, epoch, lengths, windows, budget) give the same plan,
+  windows' batches one window after the other. A batch is a list of rows, a row a list of samples: one sample each,
+  or, packed (`pack`), each run's samples first-fit into rows that split `batch_tokens` evenly, each at least
+  twice the run's longest sample (attention is dense over a row: it costs at most a few times a padded batch's). The same (seed, epoch, lengths, windows, budget) give the same plan,
   and with one window it is a shuffle of every train sample with every other.
 - Position: `DataPosition(epoch, index)` names the next batch; a checkpoint stores it and resume continues there.
-- Data parallel: every rank walks the same global plan and takes its share of each batch (`shard`).
+- Data parallel: every rank walks the same global plan and takes its share of each batch's rows (`shard`).
 - Length: `total_steps`, the job's optimizer steps (`eyas run`'s planner counts them with it too).
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.batching import cut_batches
+from eyas.batching import cut_batches, pack_rows
 from eyas.features import Sample, is_validation, shard_bytes, token_bytes
 from eyas.streaming import FeatureStream
 
@@ -29,6 +31,7 @@ VAL_SHARE = 4  # validation samples kept in memory: at most this fraction of the
 
 # epoch → the train samples (positions in the train list) of each window of that epoch, in reading order
 Windows = Callable[[int], list[list[int]]]
+Rows = list[list[int]]  # a batch: its rows, each the samples laid one after the other in it
 
 
 @dataclass
@@ -94,21 +97,30 @@ def plan_features(stream: FeatureStream, val_every: int, vocab_size: int) -> Tra
                      counts=index.supervised_counts(~held_out, vocab_size))
 
 
-def epoch_plan(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches (lists of sample indices) of one epoch; a pure function of its arguments."""
+def epoch_plan(lengths: list[int], batch_tokens: int, seed: int, epoch: int, pack: bool = False) -> list[Rows]:
+    """The batches (rows of sample indices) of one epoch; a pure function of its arguments. `pack`: a batch
+    holds R = batch_tokens // (2 · the run's longest sample) rows (one at least) of batch_tokens // R tokens."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
-    batches: list[list[int]] = []
+    batches: list[Rows] = []
     for w in range(0, len(order), GROUP):
         window = sorted(order[w: w + GROUP], key=lambda i: (-lengths[i], i))
-        batches += cut_batches(window, lengths, batch_tokens)
+        if pack:
+            # rows at least twice the run's longest sample (any two of its samples share one), batch_tokens
+            # divided evenly between them, so a batch fills its budget; one row of a longer sample alone
+            longest = lengths[window[0]]
+            per = max(1, batch_tokens // (2 * longest))
+            rows = pack_rows(window, lengths, max(longest, batch_tokens // per))
+            batches += [rows[r: r + per] for r in range(0, len(rows), per)]
+        else:
+            batches += [[[i] for i in batch] for batch in cut_batches(window, lengths, batch_tokens)]
     return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def shard(batch: list[int], rank: int, world: int) -> tuple[list[int], bool]:
-    """This rank's share of a global batch (round-robin over the length-sorted samples). A rank left without a
-    sample gets the batch's first sample back with `real=False`: it must run it with zero weight, so every rank
-    still takes part in the gradient all-reduce."""
+def shard(batch: Rows, rank: int, world: int) -> tuple[Rows, bool]:
+    """This rank's share of a global batch (round-robin over its rows, longest first). A rank left without a row
+    gets the batch's first row back with `real=False`: it must run it with zero weight, so every rank still takes
+    part in the gradient all-reduce."""
     mine = batch[rank::world]
     return (mine, True) if mine else ([batch[0]], False)
 
@@ -125,22 +137,22 @@ class BatchStream:
     `window` is (epoch, window) of the batch `next` returned last."""
 
     def __init__(self, lengths: list[int], batch_tokens: int, seed: int, position: DataPosition | None = None,
-                 windows: Windows | None = None):
+                 windows: Windows | None = None, pack: bool = False):
         if not lengths:
             raise ValueError("no training samples: the features hold only validation samples")
-        self.lengths, self.batch_tokens, self.seed = lengths, batch_tokens, seed
+        self.lengths, self.batch_tokens, self.seed, self.pack = lengths, batch_tokens, seed, pack
         self.windows = windows or (lambda _epoch: [list(range(len(lengths)))])
         self.position = position or DataPosition()
         self.window = (-1, -1)
-        self._plans: dict[int, list[tuple[int, list[int]]]] = {}  # epoch → plan: the current and the next
+        self._plans: dict[int, list[tuple[int, Rows]]] = {}  # epoch → plan: the current and the next
 
-    def _plan_for(self, epoch: int) -> list[tuple[int, list[int]]]:
+    def _plan_for(self, epoch: int) -> list[tuple[int, Rows]]:
         if epoch not in self._plans:
             plan = []
             for w, members in enumerate(self.windows(epoch)):
                 local = epoch_plan([self.lengths[i] for i in members], self.batch_tokens,
-                                   self.seed + WINDOW_SEED * w, epoch)
-                plan += [(w, [members[j] for j in batch]) for batch in local]
+                                   self.seed + WINDOW_SEED * w, epoch, self.pack)
+                plan += [(w, [[members[j] for j in row] for row in batch]) for batch in local]
             self._plans[epoch] = plan
             if len(self._plans) > 2:  # an epoch boundary looks one epoch ahead (`upcoming`); older plans go
                 del self._plans[min(e for e in self._plans if e != epoch)]
@@ -156,7 +168,7 @@ class BatchStream:
             return self.position.epoch + 1, self._plan_for(self.position.epoch + 1)[0][0]
         return self.position.epoch, plan[self.position.index][0]
 
-    def next(self) -> list[int]:
+    def next(self) -> Rows:
         plan = self._plan_for(self.position.epoch)
         if self.position.index >= len(plan):
             self.position = DataPosition(self.position.epoch + 1, 0)
@@ -168,13 +180,13 @@ class BatchStream:
 
 
 def total_steps(lengths: list[int], batch_tokens: int, seed: int, epochs: float, steps: int | None = None,
-                windows: Windows | None = None) -> int:
+                windows: Windows | None = None, pack: bool = False) -> int:
     """A train job's optimizer steps: `steps` when given, else the batches of `epochs` epochs over train samples of
-    these lengths (read in these windows): every batch of each whole epoch, and the fraction of the next one's,
-    rounded; at least one."""
+    these lengths (read in these windows, packed or not): every batch of each whole epoch, and the fraction of the
+    next one's, rounded; at least one."""
     if steps:
         return steps
-    batches = BatchStream(lengths, batch_tokens, seed, windows=windows)
+    batches = BatchStream(lengths, batch_tokens, seed, windows=windows, pack=pack)
     whole = int(epochs)
     n = sum(batches.batches_per_epoch(e) for e in range(whole))
     if epochs > whole:

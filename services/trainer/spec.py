@@ -71,6 +71,9 @@ class Spec(StageSpec):
     lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate (AdamW)")
     warmup: int = Field(50, ge=0, le=100_000_000, description="linear warmup steps, then cosine decay to 0")
     batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step (all processes)")
+    pack: bool = Field(True, description="pack several samples into a row (each attends to itself only), so a "
+                       "batch carries almost no padding; a method that cannot (DFlash), and DDP (processes > 1), "
+                       "train a sample per row")
     val_every: int = Field(10, ge=2, le=1_000_000, description="every Nth sample (i mod N = 0) is validation, the rest train")
     cache_gb: float = Field(DEFAULT_CACHE_GB, gt=0, le=1_000_000, description="local disk for the features, read "
                             "as a stream: each epoch visits the shards in windows of half this, shuffled (one window in "
@@ -95,6 +98,12 @@ class Spec(StageSpec):
         "where the export will be loaded (a hub id, or a path there), which the speculators library opens (config "
         "and weights); default: the target's hub id where known (the bundled target's, or an owner/name "
         "_name_or_path in its config.json), else none")
+
+    @property
+    def packed(self) -> bool:
+        """Whether its batches pack samples into rows: asked for (`pack`), its method can, and one process trains
+        (processes share a batch by rows, and a packed batch often has fewer rows than there are processes)."""
+        return self.pack and get_method(self.method).packs and (self.processes or 1) == 1
 
     @model_validator(mode="after")
     def _one_fc_norm(self) -> Spec:

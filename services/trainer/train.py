@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from eyas.batching import collate, eval_plan
+from eyas.batching import collate_rows, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import placement
 from eyas.features import FeatureReader, Sample
@@ -141,7 +141,8 @@ def _check_epochs(spec: Spec, data: TrainData, total: int) -> None:
     available = data.stream.epochs_available()
     if available is None:
         return
-    batches = BatchStream(data.lengths, spec.batch_tokens, spec.seed, windows=data.windows(spec.seed))
+    batches = BatchStream(data.lengths, spec.batch_tokens, spec.seed, windows=data.windows(spec.seed),
+                          pack=spec.packed)
     if total > sum(batches.batches_per_epoch(e) for e in range(available)):
         raise ValueError(f"{total} steps need more than the {available} epochs the features stream extracts "
                          f"(extract spec stream.epochs): raise it, or train fewer steps or epochs")
@@ -161,7 +162,8 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     used = select_vocab(data.counts, spec.draft_vocab_size) if method.draft_vocab else None
     drafter = method.build(spec, target, layout, embed, head, used)
     vocab_coverage = coverage(data.counts, used) if used is not None else 1.0
-    total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed))
+    total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed),
+                        spec.packed)
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
                          vocab_coverage=vocab_coverage, total_steps=total)
@@ -175,13 +177,14 @@ class TargetTopCache:
         self.sample, self.lm_head = sample, lm_head
         self.tops: dict[int, torch.Tensor] = {}
 
-    def batch(self, indices: list[int], device):
+    def batch(self, rows: list[list[int]], device):
+        """The Batch of these rows of samples (eyas.batching.collate_rows), their target argmax included."""
         on = self.lm_head.device
-        samples = [self.sample(i) for i in indices]
-        for i, s in zip(indices, samples, strict=True):
+        samples = [[self.sample(i) for i in row] for row in rows]
+        for i, s in zip((i for row in rows for i in row), (s for row in samples for s in row), strict=True):
             if i not in self.tops:
                 self.tops[i] = target_top(s.final_hidden.to(on), self.lm_head, label_rows(s.loss_mask).to(on)).cpu()
-        return collate(samples, [self.tops[i] for i in indices]).to(device)
+        return collate_rows(samples, [[self.tops[i] for i in row] for row in rows]).to(device)
 
     def clear(self) -> None:
         self.tops.clear()
@@ -271,7 +274,8 @@ def validate(spec: Spec, setup: TrainingSetup, tops: TargetTopCache, device) -> 
     setup.drafter.eval()
     for indices in plan[rank::world]:
         with _autocast(spec, device):  # DFlash's anchors: the same for every validation (a fixed seed)
-            r = objective(setup.drafter, tops.batch(indices, device), setup.target_lm_head, spec.ttt_steps,
+            rows = [[i] for i in indices]  # validation: a sample per row, measured as it always was
+            r = objective(setup.drafter, tops.batch(rows, device), setup.target_lm_head, spec.ttt_steps,
                           LOSS_DECAY, generator=torch.Generator().manual_seed(indices[0]))
         counts += Counts.of(r)
     setup.drafter.train()
@@ -318,7 +322,7 @@ class _Training:
         save_checkpoint(self.output, self.step, self.setup.drafter, self.optimizer, self.names, position,
                         self.history, self.fields, self.info)
 
-    def next_batch(self, stream: BatchStream, tops: TargetTopCache, rank: int) -> list[int]:
+    def next_batch(self, stream: BatchStream, tops: TargetTopCache, rank: int) -> list[list[int]]:
         """The next global batch, entering its window of shards (and fetching the one after meanwhile) when it is a
         new one."""
         if self.releases and self.window is not None and stream.upcoming() != self.window:
@@ -400,7 +404,8 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     model = TTTObjective(run.setup.drafter, run.head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, run.position, data.windows(spec.seed))
+    stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, run.position, data.windows(spec.seed),
+                         spec.packed)
     total, start = run.setup.total_steps, run.step
     schedule = _Schedule(total, Deadline(spec.finish_by), Pace())  # a deadline only shortens the spec's steps
     if run.releases and rank == 0 and run.step < total:  # windows a run before this one finished (it may have
@@ -415,7 +420,8 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
         run.history["train"].append({"step": run.step, "loss": counts.loss, "acc": counts.acc, "lr": lr,
                                      "tokens_per_s": float(counts.tokens) / (time.perf_counter() - t0),
                                      # what each step trained on: its epoch, and its samples' indices in artifact order
-                                     "epoch": stream.window[0], "samples": [data.train[p] for p in global_batch]})
+                                     "epoch": stream.window[0],
+                                     "samples": [data.train[p] for row in global_batch for p in row]})
         _after_step(run, schedule, tops_val, stream.position)
         bar.total = schedule.total
         bar.update(1)
