@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from eyas.capture import Captured
 from eyas.coordination import LocalWork, Work
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
@@ -200,8 +201,8 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
                 raise
             log.warning("extracting with transformers: %s", e)
     target = load_target(spec.target, place)
-    write_shards(hooked(target, job.layout, ctx.check), job.plan.shards, items, writer, progress, uploaded,
-                 job.layout.dtype)
+    write_shards(hooked(target, job.layout, ctx.check), Captured(job.layout.target, job.layout.aux_layers),
+                 job.plan.shards, items, writer, progress, uploaded, job.layout.dtype)
     bar.close()
     return {"engine": "transformers", "device": str(target.input_device), "processes": 1}
 
