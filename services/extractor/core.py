@@ -27,7 +27,7 @@ from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import layout_token_bytes, shard_name
 from eyas.handoff import INDEX, StreamPlan, abort, read_plan
-from eyas.layout import BF16, Layout, default_aux_layers
+from eyas.layout import BF16, Layout, aux_layers_for
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
 from eyas.settings import Settings
@@ -75,10 +75,10 @@ def target_layout(name: str, tokenizer, aux_layers: list[int] | None, dtype: str
 
     path = resolve_target(name)
     config = AutoConfig.from_pretrained(path)
-    aux = tuple(sorted(aux_layers)) if aux_layers else default_aux_layers(config.num_hidden_layers)
+    aux, rule = aux_layers_for(config.num_hidden_layers, getattr(config, "layer_types", None), aux_layers)
     return Layout(target=name, target_config_hash=config_hash(path), tokenizer_hash=tokenizer_hash(tokenizer),
                   num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype)
+                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype, aux_rule=rule)
 
 
 @dataclass
