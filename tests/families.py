@@ -211,14 +211,15 @@ def build_target(family: Family, out: Path, seed: int = 0) -> Path:
 # Hybrid linear-attention target (Qwen3-Next: gated delta-net layers between full-attention layers). Here they
 # alternate (the real model has three linear-attention layers to each full-attention one): with 8 layers that
 # leaves full-attention layers for the hybrid aux rule (eyas.layout.hybrid_aux_layers) to choose from, out(1),
-# out(3), out(5), where the engines' default would read out(4), a linear-attention layer. The linear-attention
-# heads are tiny (2 key / 4 value heads of 16), the MoE as Qwen3-MoE's above, the chat template Qwen3's.
+# out(3), out(5), where the engines' default would read out(4), a linear-attention layer. Few linear-attention
+# heads (2 key / 4 value), of the real model's size 128: vLLM-CPU's gated delta-net kernel refuses 16 and 32;
+# the MoE as Qwen3-MoE's above, the chat template Qwen3's.
 FAMILIES["qwen3-next"] = Family(
     "qwen3-next", "Qwen3NextConfig",
     {**_SHARED, "intermediate_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
      "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": False,
      "layer_types": ["linear_attention", "full_attention"] * 4,
-     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
      "linear_num_key_heads": 2, "linear_num_value_heads": 4,
      "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25}},
     _QWEN3_SPECIALS, **_QWEN3_CHAT)
