@@ -1,5 +1,5 @@
-"""The families users serve, end to end on CPU: Llama-3, Qwen3 (thinking on and off), Qwen3-MoE and gpt-oss, each
-a tiny random-weight target built here (tests/families.py).
+"""The families users serve, end to end on CPU: Llama-3, Qwen3 (thinking on and off), Qwen3-MoE, gpt-oss and the
+hybrid Qwen3-Next, each a tiny random-weight target built here (tests/families.py).
 
 Per case: generate (in-process, multi-turn) → extract → train (a few steps) → export → evaluate, all through the
 embedded runner; the speculators library loads the speculators/ export and its forward equals Eyas's on the
