@@ -4,15 +4,21 @@ Hooks read the residual stream each layer returns, out(i) (= HF hidden_states[i+
 kept, and the lm_head never runs (the base model is called, not the causal-LM wrapper). A `check` given to `capture`
 runs before every decoder layer: a forward of a large batch takes many seconds on a CPU, and a cancel (it raises)
 must not wait for its end.
+
+Every captured state is checked: one that is all zeros for a sample (`check_nonzero`) fails the extraction, naming
+the layer and the target. No real residual stream or final-norm output is zero over a whole sample; an engine that
+does not capture a layer does return zeros (vLLM's Qwen3-Next forward, before its fix, vllm-project/vllm#36527, left
+the aux states unfilled), and a drafter trained on them learns nothing from them, silently.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from eyas.layout import EMBED, Layout
+from eyas.layout import EMBED, Layout, describe
 from eyas.target import Target
 
 
@@ -57,3 +63,29 @@ def capture(target: Target, layout: Layout, input_ids: torch.Tensor, attention_m
         target.model.model(input_ids=input_ids.to(on, non_blocking=True),
                            attention_mask=attention_mask.to(on, non_blocking=True), use_cache=False)
     return gather(got, layout.aux_layers, device), got["final"].to(device)
+
+
+class ZeroState(ValueError):
+    """A captured state is all zeros for a sample: the engine did not capture that layer."""
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a capture's states are, to name them in its errors: the target and the aux layers (out(i), ascending)
+    of aux [T, n_aux·H]; the final state follows them."""
+
+    target: str
+    aux_layers: tuple[int, ...]
+
+    def check_nonzero(self, sample: str, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Raise ZeroState naming the first aux layer (or the final norm) whose state is zero on every token of
+        `sample` (aux [n, n_aux·H], final [n, H])."""
+        n = aux.shape[0]
+        live = [*aux.reshape(n, len(self.aux_layers), -1).ne(0).any(dim=2).any(dim=0).tolist(),
+                bool(final.ne(0).any())]
+        if all(live):
+            return
+        names = [*describe(list(self.aux_layers)), "final norm"]
+        dead = [name for name, ok in zip(names, live, strict=True) if not ok]
+        raise ZeroState(f"sample {sample!r}: target {self.target!r} captured all-zero states at {', '.join(dead)} "
+                        f"(the engine did not capture that layer)")

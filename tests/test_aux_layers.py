@@ -91,3 +91,29 @@ def test_vllm_serves_it_and_acceptance_agrees(drafter):
     assert ours["matches_greedy"] and vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
     assert ours["accepted"] > 0 and vllm["accepted"] > 0  # trained on these prompts' answers: it accepts
     agree(ours, vllm)
+
+
+def _every(n: int, period: int) -> list[str]:
+    """Qwen3-Next's layer_types: a full-attention layer closing every `period` layers, linear attention between."""
+    return ["full_attention" if i % period == period - 1 else "linear_attention" for i in range(n)]
+
+
+def test_hybrid_targets_read_full_attention_outputs_and_the_layout_records_the_rule():
+    from eyas.layout import ENGINE_DEFAULT, HYBRID_FULL_ATTENTION, REQUESTED, aux_layers_for
+
+    # Qwen3-Next-80B (48 layers) and a 32-layer Qwen3.5: out(1), then the full-attention outputs nearest the
+    # default's out(L//2-1) and out(L-4) (out(44) and out(28) are linear-attention outputs)
+    assert aux_layers_for(48, _every(48, 4)) == ((1, 23, 43), HYBRID_FULL_ATTENTION)
+    assert aux_layers_for(32, _every(32, 4)) == ((1, 15, 27), HYBRID_FULL_ATTENTION)
+    # the tiny family's alternation; a tie (out(4) between out(3) and out(5), out(3) taken) goes to the free one
+    assert aux_layers_for(8, _every(8, 2)) == ((1, 3, 5), HYBRID_FULL_ATTENTION)
+    # too few full-attention layers besides out(1) and the last, no linear attention, no layer_types: the default
+    for types in (_every(8, 4), ["sliding_attention", "full_attention"] * 4, None):
+        assert aux_layers_for(8, types) == ((1, 3, 4), ENGINE_DEFAULT)
+    assert aux_layers_for(8, _every(8, 2), [4, 1]) == ((1, 4), REQUESTED)
+    layout = Layout(target="t", target_config_hash="c", tokenizer_hash="k", num_layers=8, hidden_size=4,
+                    vocab_size=8, aux_layers=(1, 3, 5), aux_rule=HYBRID_FULL_ATTENTION)
+    assert Layout.from_dict(layout.to_dict()).aux_rule == HYBRID_FULL_ATTENTION
+    # a layout recorded before the rule was: the engines' default chose its layers (the only rule then)
+    old = {k: v for k, v in layout.to_dict().items() if k != "aux_rule"}
+    assert Layout.from_dict(old).aux_rule == ENGINE_DEFAULT and Layout.from_dict(old) == layout  # rule not compared

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from eyas.capture import capture
+from eyas.capture import Captured, ZeroState, capture
 from eyas.features import FeatureReader, Sample, ShardBuffer, dequantize, quantize, shard_samples
 from eyas.layout import (
     AUX_HIDDEN,
@@ -144,6 +144,43 @@ def test_nan_activation_fails_naming_the_sample(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="sample 't0'.*NaN"):
         EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
     assert not (tmp_path / "f" / "manifest.json").exists()
+
+
+def test_an_all_zero_captured_state_fails_naming_the_layer_and_the_target(tmp_path, monkeypatch):
+    """An engine that leaves a layer's state unfilled (vLLM's Qwen3-Next before its fix, vllm#36527) hands back
+    zeros for it: here the real capture with out(14)'s columns zeroed. The extraction fails naming that layer
+    and the target, with no features written."""
+    import services.extractor.shards as shards
+
+    real = shards.capture
+
+    def unfilled(target, layout, ids, attn, **kw):
+        aux, final = real(target, layout, ids, attn, **kw)
+        H, j = target.hidden_size, layout.aux_layers.index(14)
+        aux = aux.clone()
+        aux[..., j * H:(j + 1) * H] = 0
+        return aux, final
+
+    monkeypatch.setattr(shards, "capture", unfilled)
+    data = write_dataset(tmp_path / "data", conversations=[("Hi", "Hello!")])
+    with pytest.raises(ZeroState, match=rf"sample 't0': target {BUNDLED!r} captured all-zero states at out\(14\) "):
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
+            "extract", {"data": data}, output_dir=tmp_path / "f")
+    assert not (tmp_path / "f" / "manifest.json").exists()
+
+
+def test_check_nonzero_names_every_dead_state_and_passes_live_ones():
+    """Per sample: a state zero on some tokens only is live; one zero on all of them is named, the final norm's
+    too; every state live passes."""
+    captured = Captured("some/target", (1, 3, 4))
+    aux, final = torch.randn(5, 3 * 8), torch.randn(5, 8)
+    aux[:4] = 0  # every layer zero on 4 of 5 tokens: still live
+    captured.check_nonzero("s", aux, final)
+    aux[:, 8:16] = 0
+    with pytest.raises(ZeroState, match=r"'some/target' captured all-zero states at out\(3\) "):
+        captured.check_nonzero("s", aux, final)
+    with pytest.raises(ZeroState, match=r"at out\(3\), final norm "):
+        captured.check_nonzero("s", aux, torch.zeros(5, 8))
 
 
 REASONING_CONVERSATION = [

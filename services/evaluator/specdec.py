@@ -16,6 +16,7 @@ Inputs go to the target's input device; the drafter sits there, and the hooked a
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
             return logits.argmax(-1), gather(got, aux_layers, on)[0]
 
         preds, aux = forward(prompt)
+        # A hybrid target's linear-attention layers keep a recurrent state that crop cannot roll back (it cuts only
+        # keys/values): there a copy from before each verification, advanced over the accepted tokens, replaces it
+        croppable = cache.is_croppable
         context = prompt + [int(preds[-1])]
         _extend(res.tokens, context[-1:], stop, max_new_tokens)
         method = method_of_drafter(drafter)
@@ -121,6 +125,7 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
         while not _finished(res.tokens, stop, max_new_tokens):
             check()
             drafts, past = method.propose(drafter, h0, context, k, past)
+            before = None if croppable else copy.deepcopy(cache)
             preds, aux = forward(context[-1:] + drafts)
             a = 0
             while a < k and drafts[a] == int(preds[a]):
@@ -129,8 +134,12 @@ def speculate(target: Target, drafter: Drafter, aux_layers: tuple[int, ...], pro
             for i in range(a):
                 res.accepted_per_pos[i] += 1
             emitted = drafts[:a] + [int(preds[a])]
-            if a < k:
+            if a < k and before is None:
                 cache.crop(-(k - a))  # keep x_{n-1} and the accepted drafts
+            elif a < k:
+                cache = before
+                model.model(input_ids=torch.tensor([context[-1:] + drafts[:a]], device=on), past_key_values=cache,
+                            use_cache=True)
             h0 = torch.cat([h0, method.context_states(drafter, aux[None, : a + 1])], dim=1)
             context += emitted
             _extend(res.tokens, emitted, stop, max_new_tokens)

@@ -130,6 +130,10 @@ def _target_step(model, new: torch.Tensor, cache) -> None:
     cache.crop(-new.shape[1])  # the next call sees the same cache
 
 
+def _hybrid(config) -> bool:
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
 @torch.inference_mode()
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
                       context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
@@ -139,17 +143,24 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
     from transformers import DynamicCache
 
     model, on = target.model, target.input_device
-    vocab = model.config.vocab_size
+    vocab, hybrid = model.config.vocab_size, _hybrid(model.config)
     out = []
     with _one_thread_on_cpu(on):
         for n in tokens:
             check()
             b = min(n, max_batch)
             # no config: every layer keeps all its keys, so crop() can undo a step even in sliding-window
-            # layers (gpt-oss) once context + n passes the window; the masks still apply the window
-            cache = DynamicCache()
-            model(input_ids=torch.randint(vocab, (1, context), device=on), past_key_values=cache, use_cache=True)
-            cache.batch_repeat_interleave(b)  # the same context in every sequence: [b, kv heads, context, hd]
+            # layers (gpt-oss) once context + n passes the window; the masks still apply the window. A hybrid
+            # target's linear-attention layers need their own cache layers (the config's): recording their past
+            # lets crop() undo a step's conv states; their recurrent state keeps the step, a fixed-size state whose
+            # values do not change a step's time. They cannot repeat a batch, so a hybrid prefills all b sequences
+            cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
+            if hybrid:
+                cache.activate_past_recording()
+            model(input_ids=torch.randint(vocab, (b if hybrid else 1, context), device=on), past_key_values=cache,
+                  use_cache=True)
+            if not hybrid:
+                cache.batch_repeat_interleave(b)  # the same context in every sequence: [b, kv heads, context, hd]
             new = torch.randint(vocab, (b, n // b), device=on)
             # one warm-up call for the first point: the later ones run the same kernels at other shapes
             out.append((n, readings(_target_step, model, new, cache, warm_up=not out)))

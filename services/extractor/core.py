@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from eyas.capture import Captured
 from eyas.coordination import LocalWork, Work
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import layout_token_bytes, shard_name
 from eyas.handoff import INDEX, StreamPlan, abort, read_plan
-from eyas.layout import BF16, Layout, default_aux_layers
+from eyas.layout import BF16, Layout, aux_layers_for
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
 from eyas.settings import Settings
@@ -74,10 +75,10 @@ def target_layout(name: str, tokenizer, aux_layers: list[int] | None, dtype: str
 
     path = resolve_target(name)
     config = AutoConfig.from_pretrained(path)
-    aux = tuple(sorted(aux_layers)) if aux_layers else default_aux_layers(config.num_hidden_layers)
+    aux, rule = aux_layers_for(config.num_hidden_layers, getattr(config, "layer_types", None), aux_layers)
     return Layout(target=name, target_config_hash=config_hash(path), tokenizer_hash=tokenizer_hash(tokenizer),
                   num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype)
+                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype, aux_rule=rule)
 
 
 @dataclass
@@ -200,8 +201,8 @@ def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, str
                 raise
             log.warning("extracting with transformers: %s", e)
     target = load_target(spec.target, place)
-    write_shards(hooked(target, job.layout, ctx.check), job.plan.shards, items, writer, progress, uploaded,
-                 job.layout.dtype)
+    write_shards(hooked(target, job.layout, ctx.check), Captured(job.layout.target, job.layout.aux_layers),
+                 job.plan.shards, items, writer, progress, uploaded, job.layout.dtype)
     bar.close()
     return {"engine": "transformers", "device": str(target.input_device), "processes": 1}
 

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from eyas.capture import Captured
 from eyas.device import placement
 from eyas.handoff import read_plan
 from eyas.manifest import ArtifactWriter
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> None:
     writer = ArtifactWriter(output)
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
-    write_shards(hooked(target, job.layout), job.plan.shards, items, writer,
+    write_shards(hooked(target, job.layout), Captured(job.layout.target, job.layout.aux_layers), job.plan.shards, items, writer,
                  lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded, job.layout.dtype)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 

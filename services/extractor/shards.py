@@ -1,6 +1,7 @@
 """Extract planned shards: the capture forward per batch on the target's device, its states to the host on a side
 stream, and the shard files checked, written and uploaded by a background thread (services.extractor.offload).
-NaN/inf in any captured activation fails the job, naming the sample."""
+NaN/inf in any captured activation fails the job, naming the sample; so does a state that is all zeros for a sample
+(eyas.capture.Captured.check_nonzero), naming the layer and the target."""
 from __future__ import annotations
 
 import tempfile
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.capture import capture
+from eyas.capture import Captured, capture
 from eyas.features import Sample, ShardBuffer
 from eyas.layout import BF16, Layout
 from eyas.manifest import ArtifactWriter, FileEntry
@@ -34,7 +35,7 @@ def padded(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _add(buf: ShardBuffer, batch: Batch, ready: Ready) -> None:
+def _add(buf: ShardBuffer, batch: Batch, ready: Ready, captured: Captured) -> None:
     """(writer thread) Each sample's rows of the batch's host states, checked, into the shard."""
     aux, final = ready()  # [B, T, n_aux·H], [B, T, H] bf16 on the host
     for b, item in enumerate(batch):
@@ -42,6 +43,7 @@ def _add(buf: ShardBuffer, batch: Batch, ready: Ready) -> None:
         a, f = aux[b, :n], final[b, :n]
         if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
             raise BadActivation(f"sample {item.id!r}: non-finite target activations (NaN/inf)")
+        captured.check_nonzero(item.id, a, f)
         buf.add(Sample(input_ids=torch.tensor(item.input_ids), loss_mask=torch.tensor(item.loss_mask),
                        aux_hidden=a.clone(), final_hidden=f.clone()))  # clones: the padded batch can go
 
@@ -69,18 +71,19 @@ def hooked(target: Target, layout: Layout, check: Callable[[], None] | None = No
     return lambda batch: capture(target, layout, *padded(batch), check=check)
 
 
-def write_shards(capture_batch: Capture, shards: Shards, work: Iterable[tuple[int, str]], writer: ArtifactWriter,
-                 progress: Callable[[int], None], uploaded: Uploaded | None = None, dtype: str = BF16) -> None:
+def write_shards(capture_batch: Capture, captured: Captured, shards: Shards, work: Iterable[tuple[int, str]],
+                 writer: ArtifactWriter, progress: Callable[[int], None], uploaded: Uploaded | None = None,
+                 dtype: str = BF16) -> None:
     """Extract the planned shards named in `work` ((index into `shards`, object name) pairs, taken lazily: a
-    producer may wait before yielding the next) into `writer`'s artifact with `capture_batch`, their states
-    stored in `dtype` (the layout's);
+    producer may wait before yielding the next) into `writer`'s artifact with `capture_batch` (its states are
+    `captured`'s), their states stored in `dtype` (the layout's);
     `progress(tokens)` after each batch's forward, `uploaded(obj, entry)` after each shard's upload."""
     with tempfile.TemporaryDirectory(prefix="eyas-extract-") as tmp, Background() as background:
         for index, obj in work:
             buf = ShardBuffer(dtype=dtype)
             for batch in shards[index]:
                 aux, final = capture_batch(batch)
-                background.submit(partial(_add, buf, batch, to_host(aux, final)))
+                background.submit(partial(_add, buf, batch, to_host(aux, final), captured))
                 progress(sum(len(item.input_ids) for item in batch))
             path = Path(tmp) / obj.replace("/", "-")
             background.submit(partial(_flush, buf, path, obj, writer, uploaded))

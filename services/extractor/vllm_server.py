@@ -39,6 +39,7 @@ os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
 import torch  # noqa: E402
 
+from eyas.capture import Captured  # noqa: E402
 from eyas.manifest import ArtifactWriter, FileEntry  # noqa: E402
 from eyas.settings import get_settings  # noqa: E402
 from eyas.store import open_artifact  # noqa: E402
@@ -96,6 +97,7 @@ class VllmCapture:
         self.aux_cols = [order.index(i) for i in ids[:-1]]
         self.final_col = order.index(num_layers)
         self.keys = itertools.count()
+        self.captured = Captured(target, tuple(aux_layers))
         self.llm = LLM(
             model=target, dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             enforce_eager=True, enable_prefix_caching=False, seed=0, skip_tokenizer_init=not has_tokenizer(target),
@@ -169,7 +171,7 @@ def serve(capture: VllmCapture) -> None:
         def uploaded(obj: str, entry: FileEntry) -> None:
             say(UPLOADED, json.dumps({"obj": obj, "entry": entry.model_dump()}))
 
-        write_shards(capture, planned, shards_from(lines, planned), ArtifactWriter(output),
+        write_shards(capture, capture.captured, planned, shards_from(lines, planned), ArtifactWriter(output),
                      lambda tokens: say(PROGRESS, str(tokens)), uploaded, job["dtype"])
         say(DONE)
 
