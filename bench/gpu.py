@@ -58,7 +58,7 @@ from eyas.target import Target
 from services.evaluator.specdec import PromptIds, measure_acceptance
 from services.extractor.offload import Background, Ready, to_host
 from services.trainer.data import epoch_plan
-from services.trainer.train import BETAS, MAX_GRAD_NORM, TargetTopCache, TTTObjective
+from services.trainer.train import BETAS, MAX_GRAD_NORM, TargetTopCache, TrainingObjective
 from services.trainer.vocab import select_vocab, token_counts
 
 LLAMA_31_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -149,7 +149,7 @@ def extraction(target: Target, layout: Layout, batches: list[torch.Tensor], repe
 
 def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int, ttt_steps: int,
              batch_tokens: int) -> tuple[dict, Drafter]:
-    """The trainer's step (TTTObjective, bf16 autocast, AdamW, clipping) on the captured features."""
+    """The trainer's step (TrainingObjective, bf16 autocast, AdamW, clipping) on the captured features."""
     device = target.input_device
     config = target.model.config
     cfg = DrafterConfig.from_target(config, draft_vocab, num_aux=len(default_aux_layers(config.num_hidden_layers)))
@@ -160,7 +160,7 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
         drafter.set_vocab(select_vocab(token_counts(samples, config.vocab_size), cfg.draft_vocab_size))
     drafter.to(device)
     head = target.model.get_output_embeddings().weight.detach().float()  # fp32 labels, as the trainer reads them
-    model = TTTObjective(drafter, head, ttt_steps)
+    model = TrainingObjective(drafter, head, ttt_steps)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=BETAS)
     tops = TargetTopCache(samples.__getitem__, head)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from eyas.handoff import INDEX, StreamPlan, read_plan, ready_entry
+from eyas.handoff import INDEX, HandoffPlan, read_plan, ready_entry
 from eyas.layout import (
     AUX_HIDDEN,
     AUX_SCALE,
@@ -226,7 +226,7 @@ class FeatureReader:
         self.artifact, self.stall_s = artifact, stall_s
         self.closing = threading.Event()  # set when the reader is done: a prefetch stops waiting
         self.stop = stop or threading.Event()  # set by the caller (a cancel): stop waiting as well
-        self.stream: StreamPlan | None = read_plan(artifact)
+        self.stream: HandoffPlan | None = read_plan(artifact)
         self.manifest: Manifest | None = None
         if self.stream is None:
             self.manifest = read_manifest(artifact, kind="features")

@@ -4,7 +4,7 @@ An extract job with a stream policy announces its features before the first forw
 as it lands; a train job started on the same artifact trains on the shards in the announced order, waiting for
 those not yet there. Everything goes through the artifact's prefix in the object store:
 
-  stream.json            the announcement (StreamPlan): policy, epochs, the order's seed, window size, layout, and
+  stream.json            the announcement (HandoffPlan): policy, epochs, the order's seed, window size, layout, and
                          each shard's name, planned bytes and samples, in artifact order
   index.safetensors      every sample's tokens and loss mask (eyas.features.Index): what the trainer plans
                          from — split, lengths, vocabulary counts, steps — before any feature exists
@@ -46,7 +46,7 @@ FINISHED = "finished.json"
 POLL_S = (0.05, 2.0)  # first and longest wait between two looks at the store
 
 
-class StreamAborted(RuntimeError):
+class HandoffAborted(RuntimeError):
     pass
 
 
@@ -56,7 +56,7 @@ class ShardPlan(BaseModel):
     samples: int
 
 
-class StreamPlan(BaseModel):
+class HandoffPlan(BaseModel):
     policy: Literal["first_epoch", "recompute"]
     epochs: int  # epochs extracted (first_epoch: 1, whatever the trainer's)
     seed: int  # recompute: shards are shuffled by (seed, epoch)
@@ -89,8 +89,8 @@ class StreamPlan(BaseModel):
         return out
 
 
-def read_plan(artifact: Artifact) -> StreamPlan | None:
-    return StreamPlan.model_validate_json(artifact.get_bytes(STREAM)) if artifact.exists(STREAM) else None
+def read_plan(artifact: Artifact) -> HandoffPlan | None:
+    return HandoffPlan.model_validate_json(artifact.get_bytes(STREAM)) if artifact.exists(STREAM) else None
 
 
 def consumed_marker(epoch: int, w: int) -> str:
@@ -104,12 +104,12 @@ def abort(artifact: Artifact, side: str, error: str) -> None:
 def _aborted(artifact: Artifact) -> None:
     if artifact.exists(ABORTED):
         why = json.loads(artifact.get_bytes(ABORTED))
-        raise StreamAborted(f"{artifact.uri}: the {why['side']} gave up: {why['error']}")
+        raise HandoffAborted(f"{artifact.uri}: the {why['side']} gave up: {why['error']}")
 
 
 def wait_for(artifact: Artifact, name: str, what: str, stall_s: float, cancelled=lambda: False,
              unless: str | None = None) -> bool:
-    """Wait until object `name` exists (True), or object `unless` does (False); raises StreamAborted when the other
+    """Wait until object `name` exists (True), or object `unless` does (False); raises HandoffAborted when the other
     side gave up, `cancelled()` says so, or nothing came for `stall_s` seconds."""
     delay, start = POLL_S[0], time.monotonic()
     while not artifact.exists(name):
@@ -117,9 +117,9 @@ def wait_for(artifact: Artifact, name: str, what: str, stall_s: float, cancelled
         if unless is not None and artifact.exists(unless):
             return False
         if cancelled():
-            raise StreamAborted(f"{artifact.uri}: stopped waiting for {what}")
+            raise HandoffAborted(f"{artifact.uri}: stopped waiting for {what}")
         if time.monotonic() - start > stall_s:
-            raise StreamAborted(f"{artifact.uri}: {what} did not come within {stall_s:g} s")
+            raise HandoffAborted(f"{artifact.uri}: {what} did not come within {stall_s:g} s")
         time.sleep(delay)
         delay = min(POLL_S[1], delay * 1.5)
     return True
@@ -139,7 +139,7 @@ def is_ready(artifact: Artifact, obj: str) -> bool:
     return artifact.exists(READY + obj + ".json")
 
 
-def release(artifact: Artifact, plan: StreamPlan, epoch: int, w: int) -> None:
+def release(artifact: Artifact, plan: HandoffPlan, epoch: int, w: int) -> None:
     """(trainer, recompute) Window w of `epoch` is done and a checkpoint past it committed: delete its shards and
     say so. Idempotent, so a resumed trainer calls it again for every window before its position."""
     if artifact.exists(consumed_marker(epoch, w)):

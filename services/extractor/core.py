@@ -26,7 +26,7 @@ from eyas.coordination import LocalWork, Work
 from eyas.datasets import read_conversations
 from eyas.device import Placement, placement
 from eyas.features import layout_token_bytes, shard_name
-from eyas.handoff import INDEX, StreamPlan, abort, read_plan
+from eyas.handoff import INDEX, HandoffPlan, abort, read_plan
 from eyas.layout import BF16, Layout, aux_layers_for
 from eyas.manifest import ArtifactWriter, FeaturesFacts, FileEntry, Manifest
 from eyas.ranks import run_ranks
@@ -43,10 +43,7 @@ from eyas.target import (
     tokenizer_hash,
     weight_bytes,
 )
-from services.extractor.plan import Plan, make_plan
-from services.extractor.shards import Uploaded, hooked, write_shards
-from services.extractor.spec import Spec
-from services.extractor.stream import (
+from services.extractor.handoff import (
     announce,
     objects,
     plan_index,
@@ -55,6 +52,9 @@ from services.extractor.stream import (
     stream_plan,
     work,
 )
+from services.extractor.plan import Plan, make_plan
+from services.extractor.shards import Uploaded, hooked, write_shards
+from services.extractor.spec import Spec
 from services.extractor.vllm_backend import EngineConfig, EngineUnavailable, extract_with_vllm
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def _extract_distributed(spec: Spec, n: int, ctx: StageContext, total: int) -> d
     return files
 
 
-def shard_work(stream: StreamPlan | None, plan: Plan, output: Artifact, rank: int, world: int, settings: Settings,
+def shard_work(stream: HandoffPlan | None, plan: Plan, output: Artifact, rank: int, world: int, settings: Settings,
                cancelled, claims: Work | None = None) -> tuple[Iterable[tuple[int, str]], Uploaded | None]:
     """This process's shards, and what to do once each is uploaded: every world-th of the plan's from rank; or of
     a stream's objects, those `claims` hands out (default: every world-th from rank), each published."""
@@ -169,7 +169,7 @@ def engine_config(spec: Spec, place: Placement, job: Job, settings: Settings) ->
                         tensor_parallel_size=spec.tensor_parallel_size or gpus, max_model_len=spec.max_length + 1)
 
 
-def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, stream: StreamPlan | None,
+def _extract_here(spec: Spec, place: Placement, job: Job, ctx: StageContext, stream: HandoffPlan | None,
                   writer: ArtifactWriter, claims: Work | None, total: int, helper: bool = False) -> dict[str, Any]:
     """Extract in this process, or on its vLLM engine (its share of a stream's objects: `claims`; a helper counts
     its tokens into the run's shared stats before each shard is published). What ran, for the manifest."""

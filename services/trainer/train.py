@@ -62,7 +62,7 @@ PROGRESS_TAG = "EYAS-TRAIN-PROGRESS "  # a rank-0 stdout line a parent process t
 RESUME_MAY_CHANGE = ("resume", "then", "processes", "checkpoint_every", "activation_checkpointing", "verifier",
                      "finish_by")
 
-Report = Callable[[int, int, dict[str, Any]], None]  # (step, total steps, metrics)
+OnProgress = Callable[[int, int, dict[str, Any]], None]  # (step, total steps, metrics)
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
@@ -94,7 +94,7 @@ def resized_total(total: int, fitted: int, step: int) -> int:
     return total
 
 
-class TTTObjective(nn.Module):
+class TrainingObjective(nn.Module):
     """The drafter plus its objective (eyas.objective: TTT, or DFlash's blocks) as one module, so DDP wraps a plain
     forward. The target lm_head is a plain attribute: frozen, never broadcast, never in a state dict."""
 
@@ -389,7 +389,8 @@ def _optimize(run: _Training, model: nn.Module, batch: Any, real: bool, total: i
     return counts, lr
 
 
-def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, report: Report, settings: Settings) -> None:
+def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, report: OnProgress,
+          settings: Settings) -> None:
     """Train (or continue training) to the spec's total steps, checkpointing into `output`; the last checkpoint
     (step == total) holds the result. Every rank of a torchrun job calls this."""
     rank, world = _rank_world()
@@ -401,7 +402,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     tops_train, tops_val = TargetTopCache(data.sample, run.head), TargetTopCache(data.val.__getitem__, run.head)
     if run.step == 0 and data.val:  # where training starts from, for the record
         run.validate(tops_val)
-    model = TTTObjective(run.setup.drafter, run.head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
+    model = TrainingObjective(run.setup.drafter, run.head, spec.ttt_steps, spec.activation_checkpointing, spec.seed)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, run.position, data.windows(spec.seed),

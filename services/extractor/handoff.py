@@ -18,9 +18,9 @@ from eyas.handoff import (
     POLL_S,
     READY,
     STREAM,
+    HandoffAborted,
+    HandoffPlan,
     ShardPlan,
-    StreamAborted,
-    StreamPlan,
     consumed_marker,
     is_ready,
     publish,
@@ -33,7 +33,7 @@ from services.extractor.plan import Plan
 from services.extractor.spec import StreamSpec
 
 
-def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, row: int, chat_template_kwargs: dict) -> StreamPlan:
+def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, row: int, chat_template_kwargs: dict) -> HandoffPlan:
     shards = [ShardPlan(name=shard_name(i), samples=sum(len(b) for b in batches),
                         bytes=shard_file_bytes(sum(len(item.input_ids) for b in batches for item in b),
                                                sum(len(b) for b in batches), row))
@@ -44,7 +44,7 @@ def stream_plan(spec: StreamSpec, plan: Plan, layout: dict, row: int, chat_templ
         raise ValueError(f"stream.max_store_gb={spec.max_store_gb:g} holds two windows of {window / (1 << 20):.1f} "
                          f"MiB, and a planned shard takes {largest / (1 << 20):.1f} MiB: lower shard_mb (a "
                          "sample bigger than shard_mb takes a shard of its own: lower max_length), or raise the cap")
-    return StreamPlan(policy=spec.policy, epochs=spec.epochs if spec.policy == "recompute" else 1, seed=spec.seed,
+    return HandoffPlan(policy=spec.policy, epochs=spec.epochs if spec.policy == "recompute" else 1, seed=spec.seed,
                       window_bytes=window, layout=layout,
                       chat_template_kwargs=chat_template_kwargs, shards=shards)
 
@@ -53,7 +53,7 @@ def plan_index(plan: Plan) -> Index:
     return Index.of([[(item.input_ids, item.loss_mask) for batch in shard for item in batch] for shard in plan.shards])
 
 
-def announce(stream: StreamPlan, writer: ArtifactWriter) -> None:
+def announce(stream: HandoffPlan, writer: ArtifactWriter) -> None:
     """Write the announcement (after the index: a reader that sees stream.json finds the index). A run taken over
     must announce what the first one did."""
     before = read_plan(writer.artifact)
@@ -63,12 +63,12 @@ def announce(stream: StreamPlan, writer: ArtifactWriter) -> None:
     writer.put_bytes(STREAM, stream.model_dump_json().encode())
 
 
-def objects(stream: StreamPlan) -> list[str]:
+def objects(stream: HandoffPlan) -> list[str]:
     """Every object the stream produces, in order: the ids of its Work (eyas.coordination)."""
     return [stream.object_name(epoch, name) for _, epoch, _, name in stream.sequence()]
 
 
-def work(stream: StreamPlan, artifact: Artifact, claims: Work, stall_s: float,
+def work(stream: HandoffPlan, artifact: Artifact, claims: Work, stall_s: float,
          cancelled=lambda: False) -> Iterator[tuple[int, str]]:
     """(plan shard index, object) of the objects `claims` hands this process, in the stream's order, skipping what
     is published or consumed, each yielded once the store may take it; ends when nothing is left to claim and
@@ -84,7 +84,7 @@ def work(stream: StreamPlan, artifact: Artifact, claims: Work, stall_s: float,
             if claims.open_count() == 0:
                 return
             if cancelled():  # others still extract their objects: wait for them before the run seals
-                raise StreamAborted(f"{artifact.uri}: stopped waiting for the other extract workers")
+                raise HandoffAborted(f"{artifact.uri}: stopped waiting for the other extract workers")
             time.sleep(delay)
             delay = min(POLL_S[1], delay * 1.5)
             continue
@@ -111,7 +111,7 @@ def published(artifact: Artifact, claims: Work) -> Callable[[str, FileEntry], No
     return uploaded
 
 
-def published_files(stream: StreamPlan, artifact: Artifact) -> dict[str, FileEntry]:
+def published_files(stream: HandoffPlan, artifact: Artifact) -> dict[str, FileEntry]:
     """What a sealed first_epoch stream keeps: every shard's entry, from its ready marker."""
     if stream.policy != "first_epoch":
         return {}
