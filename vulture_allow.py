@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 _ = SimpleNamespace()
 _ = (
-    # FastAPI: routes, middleware and exception handlers registered by decorators in orchestration.api (app.py, routes.py)
+    # FastAPI: routes, middleware and exception handlers registered by decorators in orchestration.api
+    # (app.py, routes.py)
     _.submit_job, _.read_job, _.list_jobs, _.cancel_job, _.healthz, _.readyz, _.metrics,
     _.time_requests, _.invalid_request,
     _.collect,  # prometheus_client calls a registered collector's collect()

@@ -142,15 +142,17 @@ def main() -> None:
     for row, tau in zip(ok, score_80([r["drafter"] for r in ok]), strict=True):
         row["tau_80"] = tau
     (args.workdir / "rows.json").write_text(json.dumps(rows, indent=1))
-    print("| variant | run | wall (s) | of budget | probe decode (tok/s) | planned prompts | prompts (of synthesized) | "
-          "train steps | eval prompts | τ (run) | τ (80, replay) |")
+    print("| variant | run | wall (s) | of budget | probe decode (tok/s) | planned prompts | "
+          "prompts (of synthesized) | train steps | eval prompts | τ (run) | τ (80, replay) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | failed: {row['error'][-200:]!r} |||||||")
+            print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | "
+                  f"failed: {row['error'][-200:]!r} |||||||")
             continue
         print(f"| {row['variant']} | {row['repeat']} | {row['wall_s']:.0f} | {row['wall_s'] / row['budget_s']:.1%} | "
-              f"{row['probe_decode']:.0f} | {row['planned_prompts']} | {row['prompts']} ({row['synthesized']}) | {row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
+              f"{row['probe_decode']:.0f} | {row['planned_prompts']} | {row['prompts']} ({row['synthesized']}) | "
+              f"{row['steps']} | {row['eval_prompts']} | {row['tau_run']:.3f} | "
               f"{row['tau_80']:.3f} |")
     within = all(r["wall_s"] <= 1.05 * r["budget_s"] for r in ok)
     used = all(r["wall_s"] >= 0.90 * r["budget_s"] for r in ok)

@@ -74,8 +74,8 @@ def main() -> None:
             equal = sum(c.content == engine.tok.decode(r, skip_special_tokens=True)
                         for c, r in zip(ours, theirs, strict=True))
             same = f"{equal}/{batch}" if mode == "greedy" else "(sampled)"
-            print(f"{batch:>5} {mode:<8} {ours_rate:>10.0f} {theirs_rate:>14.0f} {ours_rate / theirs_rate:>6.2f}  {same}",
-                  flush=True)
+            print(f"{batch:>5} {mode:<8} {ours_rate:>10.0f} {theirs_rate:>14.0f} "
+                  f"{ours_rate / theirs_rate:>6.2f}  {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def write_data(directory: Path, samples: int) -> str:
     writer = ArtifactWriter(Artifact(LocalStore(directory)))
     writer.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
     writer.commit(Manifest(kind="dataset", id="bench-fp8", counts={"conversations": len(records)},
-                           dataset=DatasetFacts(target=BUNDLED, tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
+                           dataset=DatasetFacts(target=BUNDLED,
+                                                tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
     return str(directory)
 
 

@@ -115,7 +115,8 @@ def main() -> None:
     for mode, label in (("plain", "read into memory (safetensors.torch.load)"), ("eyas", "trainer's data path")):
         print(f"{label:<44} private {got[mode]['RssAnon']:8.0f} MiB   file-backed {got[mode]['RssFile']:8.0f} MiB")
     print(f"private memory ratio trainer/plain: {got['eyas']['RssAnon'] / got['plain']['RssAnon']:.3f}"
-          f"  (private memory per features MiB: {got['eyas']['RssAnon'] / size:.3f} vs {got['plain']['RssAnon'] / size:.3f})")
+          f"  (private memory per features MiB: {got['eyas']['RssAnon'] / size:.3f}"
+          f" vs {got['plain']['RssAnon'] / size:.3f})")
 
 
 if __name__ == "__main__":

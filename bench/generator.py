@@ -219,7 +219,8 @@ def fast(args, server: str, tmp: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for k, (plain, ours) in enumerate(rows):
         b, e = plain["answers"] / plain["wall"], ours["answers"] / ours["wall"]
-        print(f"| {k + 1} | {b:.0f} | {e:.0f} | {e / b:.3f} | {1000 * (ours['cpu'] - fixed) / (ours['answers'] - 1):.2f} "
+        print(f"| {k + 1} | {b:.0f} | {e:.0f} | {e / b:.3f} | "
+              f"{1000 * (ours['cpu'] - fixed) / (ours['answers'] - 1):.2f} "
               f"| {ours['lost']} | {ours['duplicated']} | {ours['dead']} |")
 
 
@@ -300,8 +301,8 @@ def main() -> None:
             p.kill()
     print(f"\n{args.slots}-slot endpoint, {args.token_ms} ms/token alone, x{args.slowdown} at a full batch, "
           f"max_tokens {args.max_tokens}, {'no queue published' if args.no_metrics else 'queue on /metrics'}")
-    print("| C | faults | run | prompts | best fixed C (bare) | bare (s) | eyas (s) | eyas / bare | lost | duplicated | "
-          "dead-lettered | eyas steady after (s) |")
+    print("| C | faults | run | prompts | best fixed C (bare) | bare (s) | eyas (s) | eyas / bare | lost | "
+          "duplicated | dead-lettered | eyas steady after (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['C']} | {r['faults']} | {r['run']} | {r['prompts']} | {r['best']} | {r['bare']:.1f} | "

@@ -215,7 +215,8 @@ def _block(drafter: DFlashDrafter, aux, anchors, tokens, _k: int) -> None:
 def draft_steps(config, device: torch.device, dtype: torch.dtype, batch: int, context: int,
                 ks: range = range(1, 8)) -> dict:
     """The draft_step figure (module docstring): {method: [seconds for K in ks]}, best of a few timed calls."""
-    num_aux, hidden_size, vocab = len(default_aux_layers(config.num_hidden_layers)), config.hidden_size, config.vocab_size
+    num_aux, hidden_size, vocab = (len(default_aux_layers(config.num_hidden_layers)), config.hidden_size,
+                                   config.vocab_size)
     out: dict = {"batch": batch, "context": context, "k": list(ks)}
     ids = torch.randint(3, vocab, (batch, context), device=device)
     pos = torch.arange(context + max(ks), device=device)[None].expand(batch, -1)

@@ -42,7 +42,8 @@ def write_dataset(directory: Path, n: int) -> str:
     writer = ArtifactWriter(Artifact(LocalStore(directory)))
     writer.put_bytes("conversations-00000.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
     writer.commit(Manifest(kind="dataset", id="bench", counts={"conversations": n},
-                           dataset=DatasetFacts(target=BUNDLED, tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
+                           dataset=DatasetFacts(target=BUNDLED,
+                                                tokenizer_hash=tokenizer_hash(load_tokenizer(BUNDLED)))))
     return str(directory)
 
 
@@ -139,7 +140,8 @@ def main() -> None:
         for variant in args.variants.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", variant, "--data", data, "--workdir",
                                   str(Path(tmp) / variant), "--epochs", str(args.epochs), "--cap-mib",
-                                  str(args.cap_mib), "--shard-mb", str(args.shard_mb)], check=True, capture_output=True, text=True, cwd=REPO)
+                                  str(args.cap_mib), "--shard-mb", str(args.shard_mb)],
+                                 check=True, capture_output=True, text=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         hop = store_hop(Path(tmp))
     base = rows[0]

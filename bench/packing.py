@@ -7,7 +7,8 @@ epochs of the plan (services.trainer.data.epoch_plan). Tokens/s: the trainer's s
 AdamW) over one epoch of each plan, after an untimed epoch that fills the target top-1 cache; `--repeats` epochs
 of each, interleaved, the median reported.
 
-    .venv/bin/python bench/packing.py [--features URI] [--prompts 48] [--max-tokens 96] [--batch-tokens 512] [--repeats 3]
+    .venv/bin/python bench/packing.py [--features URI] [--prompts 48] [--max-tokens 96]
+        [--batch-tokens 512] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ def main() -> None:
     for pack, name in ((False, "a sample per row"), (True, "packed")):
         print(f"{name:22s} {pad[pack]:8.1%} {steps[pack]:12d} {tps[pack]:10.1f}   (epochs: "
               + ", ".join(f"{x:.1f}" for x in rates[pack]) + ")")
-    print(f"ratio packed / a sample per row: padding {pad[True] / pad[False]:.2f}x, steps {steps[True] / steps[False]:.2f}x, "
-          f"tokens/s {tps[True] / tps[False]:.2f}x")
+    print(f"ratio packed / a sample per row: padding {pad[True] / pad[False]:.2f}x, "
+          f"steps {steps[True] / steps[False]:.2f}x, tokens/s {tps[True] / tps[False]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ def main() -> None:
                **{s: score(drafter, passes[s], args.k) for s in SETS}}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) | target forward tokens |")
+    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) | "
+          "target forward tokens |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["val_acc"] or [])

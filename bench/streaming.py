@@ -121,7 +121,8 @@ def main() -> None:
           f"{'fetched':>7} {'s':>6} | {'whole: disk/cap':>15} {'RSS MiB':>8} {'s':>6}")
     for k, size, shard, shards, got in rows:
         s, w = got["stream"], got["whole"]
-        print(f"{k:>3.0f}×{size / (1 << 20):>5.0f}MiB {shards:>6} | {s['peak_disk'] / cap:>16.2f} {str(s['peak_disk'] <= cap + shard):>11} "
+        print(f"{k:>3.0f}×{size / (1 << 20):>5.0f}MiB {shards:>6} | {s['peak_disk'] / cap:>16.2f} "
+              f"{str(s['peak_disk'] <= cap + shard):>11} "
               f"{s['peak_rss'] / (1 << 20):>8.0f} {s['fetched']:>7} {s['seconds']:>6.1f} | "
               f"{w['peak_disk'] / cap:>15.2f} {w['peak_rss'] / (1 << 20):>8.0f} {w['seconds']:>6.1f}")
     rss = [r[4]["stream"]["peak_rss"] for r in rows]

@@ -154,7 +154,8 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
     def chain() -> list[dict]:  # the pipeline's four jobs (from the API when --only skipped the pipeline check)
         if "chain" not in state:
             stages = ("generate", "extract", "train", "evaluate")
-            listed = {stage: apis[stage].client.get("/v1/jobs", params={"state": "succeeded"}).json() for stage in stages}
+            listed = {stage: apis[stage].client.get("/v1/jobs", params={"state": "succeeded"}).json()
+                      for stage in stages}
             state["chain"] = [next(j for j in listed[stage] if j["stage"] == stage) for stage in stages]
         return state["chain"]
 
@@ -174,7 +175,8 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         # its CA bundle
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
         env["PIP_CONFIG_FILE"] = os.devnull
-        subprocess.run(["python3.11", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "torch==2.13.0", "vllm==0.32.0"],
+        subprocess.run(["python3.11", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                        "--report", str(report), "torch==2.13.0", "vllm==0.32.0"],
                        env=env, check=True, capture_output=True, timeout=600)
         wheels = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
         cuda = sorted(n for n in wheels if n.startswith("nvidia-"))
@@ -327,8 +329,10 @@ def _prompts(n: int) -> tuple:
               "a limerick about", "the history of", "a packing list for"]
     things = ["the sea", "autumn", "a lighthouse", "bread", "rivers", "owls", "trains", "glaciers", "tea", "chess",
               "volcanoes", "bees"]
-    lines = [json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Write {topics[i % len(topics)]} {things[(i // 8) % len(things)]}"
-                                                    f" (variant {i})."}]}) for i in range(n)]
+    lines = [json.dumps({"id": f"p{i}", "messages": [{"role": "user",
+                                                      "content": f"Write {topics[i % len(topics)]} "
+                                                                 f"{things[(i // 8) % len(things)]}"
+                                                                 f" (variant {i})."}]}) for i in range(n)]
     data = ("\n".join(lines) + "\n").encode()
     return io.BytesIO(data), len(data)
 

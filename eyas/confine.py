@@ -122,7 +122,8 @@ class Policy:
         for entry in endpoints:
             if entry != "*":
                 _endpoint_alternative(entry)  # a malformed entry fails here, when the process starts
-        return cls(roots=tuple(roots), buckets=settings.job_buckets, endpoints=None if "*" in endpoints else tuple(endpoints))
+        return cls(roots=tuple(roots), buckets=settings.job_buckets,
+                   endpoints=None if "*" in endpoints else tuple(endpoints))
 
     def pattern(self, marker: Names) -> str:
         """The one regular expression a value of a field marked `marker` must match (anchored at both ends)."""

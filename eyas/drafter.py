@@ -258,7 +258,8 @@ class Drafter(nn.Module):
         if self.cfg.norm_before_fc:
             aux = self.input_norm(aux)
         if self.cfg.fc_norm:
-            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, -1), strict=True)], -1)
+            aux = torch.cat([norm(c) for norm, c in
+                             zip(self.fc_norm, aux.chunk(self.cfg.num_aux, -1), strict=True)], -1)
         return self.fc(aux)
 
     def feed(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

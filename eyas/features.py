@@ -180,7 +180,8 @@ class Index:
         lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
 
         def flat(i: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.cat([torch.as_tensor(s[i]).to(dtype) for s in samples]) if samples else torch.zeros(0, dtype=dtype)
+            return (torch.cat([torch.as_tensor(s[i]).to(dtype) for s in samples]) if samples
+                    else torch.zeros(0, dtype=dtype))
 
         return cls(input_ids=flat(0, torch.int32), loss_mask=flat(1, torch.uint8),
                    offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),

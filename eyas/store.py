@@ -2,7 +2,8 @@
 
 Readers never see a partial object: the local backend writes to a temp file and renames it into place; S3 makes an
 object visible only once its upload completes. S3 calls ride out an outage: a refused or dropped connection, a
-timeout or a 5xx is retried with backoff for up to `s3_retry_s` (an interrupted upload is simply sent again). Artifacts are addressed by URI:
+timeout or a 5xx is retried with backoff for up to `s3_retry_s` (an interrupted upload is simply sent again). Artifacts
+are addressed by URI:
   s3://BUCKET/PREFIX      an S3 prefix on the configured endpoint
   file://DIR or DIR       a local directory
 """

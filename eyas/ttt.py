@@ -92,7 +92,8 @@ def _rows(batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor | None, torc
 
 def ttt_forward(drafter: Drafter, batch: Batch, target_lm_head: torch.Tensor, steps: int,
                 decay: float = 0.8, recompute: bool = False) -> TTTResult:
-    """Run `steps` TTT steps of `drafter` over `batch` (docs/eagle3.md §4) and return the loss terms and accuracy counts.
+    """Run `steps` TTT steps of `drafter` over `batch` (docs/eagle3.md §4) and return the loss terms and accuracy
+    counts.
 
     drafter: an EAGLE-3 Drafter whose d2t/t2d are set; its parameter dtype is the compute dtype.
     batch: right-padded features (eyas.batching.Batch); `batch.target_top`, if set, is the precomputed

@@ -37,7 +37,8 @@ SYNTH_TOKENS = 100  # per candidate request (sampled up to 128 tokens)
 ANSWER_STEP_COST = 1.2  # per `max_tokens` of an answer
 ANSWER_FILL = 0.85  # answer tokens per `max_tokens` (most answers run to the cap): what extraction and training see
 PROMPT_TOKENS = 60  # rendered prompt (template + request) tokens
-ANSWER_TOKENS = 96  # max_tokens per answer: more, shorter answers teach more (bench/README.md § Levers at equal wall time)
+# max_tokens per answer: more, shorter answers teach more (bench/README.md § Levers at equal wall time)
+ANSWER_TOKENS = 96
 EVAL_NEW_TOKENS = EvalSpec.model_fields["max_new_tokens"].default
 SECOND_SET_PROMPTS = EvalSpec.model_fields["second_num_prompts"].default  # the evaluator's second held-out set
 # The evaluator's greedy outputs run in batches of 32 with transformers' `generate` (services/evaluator/specdec.py:

@@ -129,5 +129,6 @@ def fastest(readings: list[Rates]) -> Rates:
 
 def rates_line(rates: Rates) -> str:
     r = asdict(rates)
-    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), forward {r['forward_tok_s']:.0f} tok/s, "
-            f"train {r['train_tok_s']:.0f} tok/s (validate {r['val_tok_s']:.0f}), target step {1000 * r['step_s']:.0f} ms")
+    return (f"measured: decode {r['decode_tok_s']:.0f} tok/s ({r['decode_half_tok_s']:.0f} at half the batch), "
+            f"forward {r['forward_tok_s']:.0f} tok/s, train {r['train_tok_s']:.0f} tok/s "
+            f"(validate {r['val_tok_s']:.0f}), target step {1000 * r['step_s']:.0f} ms")

@@ -96,7 +96,8 @@ def _generate(spec: Any, settings: Settings, where: str) -> None:
     file_prompts = spec.limit if spec.prompts is not None else 0
     if prompts_cap is not None and not spec.mix and file_prompts + spec.synthesize > prompts_cap:
         raise OverQuota(where + "synthesize", spec.synthesize, f"limit {file_prompts} + synthesize "
-                        f"{spec.synthesize} = {file_prompts + spec.synthesize} prompts {_exceeds(settings, 'max_job_prompts')}")
+                        f"{spec.synthesize} = {file_prompts + spec.synthesize} prompts "
+                        f"{_exceeds(settings, 'max_job_prompts')}")
     if tokens_cap is None:
         return
     if files and spec.max_turns is None:
@@ -111,7 +112,8 @@ def _generate(spec: Any, settings: Settings, where: str) -> None:
     tokens = answers * spec.sampling.max_tokens
     if tokens > tokens_cap:
         raise OverQuota(where + "sampling.max_tokens", spec.sampling.max_tokens, f"{answers} answers (prompts × turns) "
-                        f"× max_tokens {spec.sampling.max_tokens} = {tokens} tokens {_exceeds(settings, 'max_job_tokens')}")
+                        f"× max_tokens {spec.sampling.max_tokens} = {tokens} tokens "
+                        f"{_exceeds(settings, 'max_job_tokens')}")
 
 
 def _evaluate(spec: Any, settings: Settings, where: str) -> None:

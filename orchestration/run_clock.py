@@ -87,7 +87,8 @@ class RunClock:
         self.machine = scaled(self.rates, speed(predicted_s, took(job)))
 
     def observe_generation(self, job: Any, samples: int) -> None:
-        self.observe(job, stage_seconds(self.rates, samples, self.max_tokens, self.eval_prompts, self.batch)["generate"])
+        self.observe(job, stage_seconds(self.rates, samples, self.max_tokens, self.eval_prompts,
+                                        self.batch)["generate"])
 
     def observe_extraction(self, job: Any, done: Done) -> None:
         self.observe(job, replan(1e9, self.rates, done, self.eval_prompts, self.batch, ("extract",))["extract"])

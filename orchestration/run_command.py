@@ -4,7 +4,8 @@ The run keeps to a time budget (`--minutes`, default 10): it measures this machi
 (orchestration/machine_rate.py) and plans each stage's share (orchestration/budget.py); each stage then works to its
 deadline (generation keeps producing answers, training keeps stepping, evaluation keeps scoring prompts until
 theirs), and at every stage boundary the rest is re-planned from how fast the stages actually went. It prints the
-plan, each re-plan, and ends with the stage times planned, re-planned and taken. Defaults: the bundled SmolLM2-135M-Instruct target, prompts synthesized from it, a
+plan, each re-plan, and ends with the stage times planned, re-planned and taken. Defaults: the bundled
+SmolLM2-135M-Instruct target, prompts synthesized from it, a
 local directory store. Every stage runs through the same pipeline code as the services. When the planned features
 do not fit the store's disk cap (`--store-gb`), extraction and training run together on a bounded window of them
 (`--features-policy`).
@@ -38,7 +39,8 @@ FEATURES_POLICIES = ("auto", *typing.get_args(FeaturesPolicy))  # auto: cache wh
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", type=Path, default=Path("eyas-work"), help="everything goes under DIR (default: %(default)s)")
+    p.add_argument("--workdir", type=Path, default=Path("eyas-work"),
+                   help="everything goes under DIR (default: %(default)s)")
     p.add_argument("--target", default=BUNDLED, help="target model: HF directory or %(default)s")
     p.add_argument("--prompts", default=None,
                    help="training prompt file (default: prompts synthesized from the target itself)")

@@ -57,7 +57,8 @@ def service_runtime(settings: Settings) -> Runtime:
 class BackgroundExecutor:
     """Embedded mode behind an API: jobs (and the stages of their `then`) run one at a time in a daemon thread, but
     for a job handed its input while its parent still writes it, which runs beside the parent in a thread of its
-    own (orchestration.execution.runs_beside_parent). On start it picks up the jobs a previous process left queued or running, as a worker would after a crash."""
+    own (orchestration.execution.runs_beside_parent). On start it picks up the jobs a previous process left queued or
+    running, as a worker would after a crash."""
 
     def __init__(self, jobs: JobStore, store: ObjectStore, settings: Settings):
         self.jobs, self.store, self.settings = jobs, store, settings

@@ -7,7 +7,8 @@ runs each job through `orchestration.execution.execute` with the S3 object store
 `then` stages go to the next stage's queue.
 
 A task holds its job's lease while it runs (orchestration.lease); a delivery of a job whose lease is held elsewhere
-is a duplicate (a requeue raced with the broker's backstop, see orchestration.celery_app) and does nothing. Every `lease_sweep_s`, each worker sends the running jobs of its stage whose lease nobody holds to the queue
+is a duplicate (a requeue raced with the broker's backstop, see orchestration.celery_app) and does nothing. Every
+`lease_sweep_s`, each worker sends the running jobs of its stage whose lease nobody holds to the queue
 again: their worker died, and the job runs again (its next attempt), resuming from what it committed.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Tiny random-weight targets of the families users serve — Llama-3, Qwen3 (dense and MoE), gpt-oss, Mistral
 and the hybrid linear-attention Qwen3-Next — each built here from a config in code, with a tokenizer trained
 here (the family's special tokens, a word-level vocabulary)
-and a chat template of that family's shape (nothing from a model hub). A few layers and a small width keep every stage, and vLLM-CPU, quick.
+and a chat template of that family's shape (nothing from a model hub). A few layers and a small width keep every stage,
+and vLLM-CPU, quick.
 
 The templates follow the real ones where Eyas depends on them:
   llama3   header tokens; bos in the template; `<|eot_id|>` ends a turn (eos); content trimmed; no reasoning
@@ -185,7 +186,8 @@ def _corpus(family: Family) -> list[str]:
     turns = [t for name in ("bundled:sharegpt", "bundled:mt_bench")
              for p in load_prompts(resolve_prompt_file(name)) for t in p.user_turns]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting.", "thinking": "A greeting."}]
+                {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting.",
+                 "thinking": "A greeting."}]
     template = jinja2.Environment().from_string(family.template)
     rendered = [template.render(messages=messages, add_generation_prompt=False, bos_token="", eos_token="",
                                 **kwargs)

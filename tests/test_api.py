@@ -1,4 +1,5 @@
-"""The job API (orchestration.api.app.create_app) on real components: Redis + SeaweedFS in service mode (no worker, so jobs
+"""The job API (orchestration.api.app.create_app) on real components: Redis + SeaweedFS in service mode (no worker, so
+jobs
 stay queued where the test can look at them), and embedded mode running jobs against a real vLLM."""
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ def test_a_streaming_policy_reaches_the_extract_and_train_specs():
 
 
 def test_the_live_check_is_on_where_vllm_is_installed_and_the_budget_has_room(tmp_path):
-    """--live auto: on with a vLLM environment and a budget of LIVE_MIN_BUDGET times the live check's reserve (fp32 and eager on a
+    """--live auto: on with a vLLM environment and a budget of LIVE_MIN_BUDGET times the live check's reserve (fp32 and
+    eager on a
     CPU); off without one, on a short budget, or for --method auto; --live on without vLLM is an error naming it."""
     from eyas.settings import Settings
     from orchestration.budget import LIVE_CHECK_S, LIVE_MIN_BUDGET

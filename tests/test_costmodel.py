@@ -283,7 +283,8 @@ LIVE_C1 = {"concurrency": 1, "k": 3, "predicted_speedup": 0.84, "measured_speedu
            "outputs_equal": True}
 NGRAM_C1 = {"method": "ngram", "served": True, "concurrency": 1, "config": alternatives.FREE_METHODS["ngram"],
             "tok_s": 26.7, "speedup": 26.7 / 20.5, "tau": 1.35, "accepted_per_output_token": 0.258, "why": None}
-SUFFIX_MISSING = {"method": "suffix", "served": False, "concurrency": None, "config": alternatives.FREE_METHODS["suffix"],
+SUFFIX_MISSING = {"method": "suffix", "served": False, "concurrency": None,
+                  "config": alternatives.FREE_METHODS["suffix"],
                   "tok_s": None, "speedup": None, "tau": None, "accepted_per_output_token": None,
                   "why": "vLLM not serving (exited 1); root cause: ImportError: Arctic Inference is required"}
 

@@ -119,7 +119,8 @@ def test_a_replan_gives_training_what_extraction_and_evaluation_leave():
     quiet = replan(400.0, QUIET, done, 20, 96, ("extract", "train", "evaluate"))
     assert sum(quiet.values()) == pytest.approx(400.0) and quiet["train"] > 100
     busy = replan(400.0, scaled(QUIET, 0.5), done, 20, 96, ("extract", "train", "evaluate"))
-    assert busy["extract"] > quiet["extract"] and busy["evaluate"] > quiet["evaluate"] and busy["train"] < quiet["train"]
+    assert (busy["extract"] > quiet["extract"] and busy["evaluate"] > quiet["evaluate"]
+            and busy["train"] < quiet["train"])
     streamed = replan(400.0, QUIET, done, 20, 96, ("extract", "train", "evaluate"), overlap=True)
     assert streamed["extract"] == 0.0 and streamed["train"] > quiet["train"]
     # too little left: the shares shrink to fit it, training keeps some

@@ -105,7 +105,8 @@ def test_the_diagnosis_reports_the_contradiction_as_its_verdict_and_writes_its_f
                                          Variant("aux ids -1", "", "fix -1", (1, 14, 26))])
     assert [v.recorded for v in tried] == [False, False, True]
     sentence, chosen = verdict(_rows(tried, [1.2, 1.1, 1.21]), None, None, exported.static, None)
-    assert sentence == f"the export itself is mis-wired: {exported.static[0]} (τ 1.200 as configured, 1.210 as recorded)"
+    assert sentence == (f"the export itself is mis-wired: {exported.static[0]} "
+                        "(τ 1.200 as configured, 1.210 as recorded)")
     assert chosen["name"] == "aux ids -1"
     weights = {"fc.weight": torch.zeros(64, 192), "d2t": torch.zeros(512, dtype=torch.int64)}
     assert _write_fixed(exported, chosen, weights, tmp_path / "fixed") == ["eagle_aux_hidden_state_layer_ids"]

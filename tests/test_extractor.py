@@ -112,7 +112,8 @@ def test_a_failing_capture_engine_is_reported_with_its_logs_last_lines(tmp_path,
 def test_wrong_tokenizer_dataset_refused(tmp_path):
     data = write_dataset(tmp_path / "data", tok_hash="0123456789abcdef")
     with pytest.raises(ValueError, match="tokenizer/template"):
-        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
+            "extract", {"data": data}, output_dir=tmp_path / "f")
     assert not (tmp_path / "f" / "manifest.json").exists()
 
 
@@ -142,7 +143,8 @@ def test_nan_activation_fails_naming_the_sample(tmp_path, monkeypatch):
     monkeypatch.setattr(shards, "capture", poisoned)
     data = write_dataset(tmp_path / "data", conversations=[("Hi", "Hello!")])
     with pytest.raises(ValueError, match="sample 't0'.*NaN"):
-        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job("extract", {"data": data}, output_dir=tmp_path / "f")
+        EmbeddedRunner(Settings(workdir=tmp_path / "w", input_roots=[tmp_path])).run_job(
+            "extract", {"data": data}, output_dir=tmp_path / "f")
     assert not (tmp_path / "f" / "manifest.json").exists()
 
 

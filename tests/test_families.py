@@ -137,7 +137,8 @@ def pipeline(request, targets, tmp_path_factory):
     jobs = emb.run_job("generate", {
         "prompts": str(prompts), "target": target, "max_turns": 2,
         "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "chat_template_kwargs": kwargs},
-        "then": [{"stage": "extract", "target": target, **({"engine": "vllm"} if request.param in VLLM_CAPTURED else {})},
+        "then": [{"stage": "extract", "target": target,
+                  **({"engine": "vllm"} if request.param in VLLM_CAPTURED else {})},
                  {"stage": "train", **CPU_PRESET, "draft_vocab_size": vocab, "steps": 60, "warmup": 5,
                   "val_interval": 0, **NORMS.get(request.param, {})},
                  {"stage": "evaluate", "target": target, "num_prompts": 2, "max_new_tokens": 16, "k": K}]})

@@ -160,7 +160,8 @@ def test_recompute_holds_the_cap_and_survives_kill_9_of_either_side(dataset, tmp
     again = history(drafter2)
     assert [e["samples"] for e in again["train"]] == [e["samples"] for e in ref["train"]]
     assert [e["loss"] for e in again["train"]] == [e["loss"] for e in ref["train"]]
-    a, b = load_file(str(drafter / "eagle" / "model.safetensors")), load_file(str(drafter2 / "eagle" / "model.safetensors"))
+    a, b = (load_file(str(drafter / "eagle" / "model.safetensors")),
+            load_file(str(drafter2 / "eagle" / "model.safetensors")))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 

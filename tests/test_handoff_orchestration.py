@@ -1,5 +1,6 @@
 """A hand-off before a job ends: when a job's stage calls StageContext.hand_off (its spec hands off early:
-eyas.stage.StageSpec.hands_off_early), the next stage of its `then` is submitted then, on its output URI, and the embedded runner runs that job
+eyas.stage.StageSpec.hands_off_early), the next stage of its `then` is submitted then, on its output URI, and the
+embedded runner runs that job
 beside it; every other job runs after the one before it, on the caller's thread. The stages here are fakes put in
 the registry in place of extract, train and evaluate; they note when and on which thread they ran."""
 from __future__ import annotations

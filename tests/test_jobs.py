@@ -106,7 +106,8 @@ def test_concurrent_writers_lose_nothing(jobs):
 
     def bump(key: str, n: int):
         for _ in range(n):
-            jobs.mutate(job.id, lambda j: j.model_copy(update={"metrics": {**j.metrics, key: j.metrics.get(key, 0) + 1}}))
+            jobs.mutate(job.id,
+                        lambda j: j.model_copy(update={"metrics": {**j.metrics, key: j.metrics.get(key, 0) + 1}}))
 
     threads = [threading.Thread(target=bump, args=(k, 60)) for k in ("a", "b", "c")]
     for t in threads:

@@ -70,7 +70,8 @@ def test_prompts_cap():
     assert e.field == "synthesize" and "limit 6 + synthesize 5 = 11 prompts exceeds" in e.message
     # a prompt file's length is unknown at submit: the cap needs its limit
     e = refused("generate", {"prompts": "bundled:sharegpt"}, **cap)
-    assert (e.field, e.value) == ("limit", None) and "give limit" in e.message and "EYAS_MAX_JOB_PROMPTS=10" in e.message
+    assert ((e.field, e.value) == ("limit", None) and "give limit" in e.message
+            and "EYAS_MAX_JOB_PROMPTS=10" in e.message)
     taken("generate", {"prompts": "bundled:sharegpt", "limit": 5, "synthesize": 5}, **cap)
     taken("generate", {"mix": [{"prompts": "synth"}, {"prompts": "bundled:sharegpt"}], "limit": 10}, **cap)
     assert refused("generate", {"mix": [{"prompts": "synth"}], "limit": 11}, **cap).field == "limit"

@@ -22,7 +22,8 @@ def test_eyas_run_ends_with_a_report_and_exports(tmp_path):
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert re.search(r"^measured: decode \d+ tok/s", out, re.M) and re.search(r"^plan for 10 min: \d+ prompts", out, re.M)
+    assert (re.search(r"^measured: decode \d+ tok/s", out, re.M)
+            and re.search(r"^plan for 10 min: \d+ prompts", out, re.M))
     # the rest re-planned at every stage boundary from how fast the stages went
     for stage in ("generate", "extract"):
         assert re.search(rf"^re-plan after {stage} \(\d+ s, 4 conversations; .*\): .*train \d+ s", out, re.M), out

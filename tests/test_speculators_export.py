@@ -33,8 +33,10 @@ K = 3
 
 def test_the_verifier_is_the_spec_name_else_the_targets_hub_id_never_a_path():
     llama = {"architectures": ["LlamaForCausalLM"]}
-    assert speculators_verifier(BUNDLED, llama) == {"name_or_path": BUNDLED_HUB_ID, "architectures": ["LlamaForCausalLM"]}
-    assert speculators_verifier("/models/t", {**llama, "_name_or_path": "org/model-1.5B"})["name_or_path"] == "org/model-1.5B"
+    assert speculators_verifier(BUNDLED, llama) == {"name_or_path": BUNDLED_HUB_ID,
+                                                    "architectures": ["LlamaForCausalLM"]}
+    assert speculators_verifier("/models/t",
+                                {**llama, "_name_or_path": "org/model-1.5B"})["name_or_path"] == "org/model-1.5B"
     for saved_as in ("/home/me/t", "./t", "../org/t", "org/t/sub", "", None):
         assert speculators_verifier("/models/t", {**llama, "_name_or_path": saved_as})["name_or_path"] is None
     assert speculators_verifier("/models/t", llama)["name_or_path"] is None

@@ -166,7 +166,8 @@ def test_a_cache_that_cannot_hold_two_shards_is_refused_up_front(tmp_path, shard
                        report=lambda *a: False)
     spec = Spec.model_validate({"features": uri, "ttt_steps": 2, "draft_vocab_size": 256, "steps": 2,
                                 "cache_gb": shards_held * largest / (1 << 30)})
-    with pytest.raises(ValueError, match=rf"cache_gb=\S+ cannot hold the features' shard \S+ \({largest / (1 << 20):.1f} "
+    with pytest.raises(ValueError, match=rf"cache_gb=\S+ cannot hold the features' shard \S+ "
+                       rf"\({largest / (1 << 20):.1f} "
                        r"MiB\) twice over .*raise cache_gb to at least \S+, or lower the extract job's shard_mb"):
         core.run(spec, ctx)
     assert not ctx.output.names()  # nothing written

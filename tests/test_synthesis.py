@@ -102,7 +102,8 @@ def test_a_take_past_its_deadline_hands_out_the_surplus_and_draws_nothing():
     past = Deadline(time.time() - 1)
     assert [p.id for p in asyncio.run(synth.take(3, past))] == ["synth:0:0:7"] and fake.calls == [8]
     assert asyncio.run(synth.take(3, past)) == [] and fake.calls == [8]
-    assert asyncio.run(Synthesizer(_Scripted(), tok, 100, SynthesisConfig(chunk=8)).take(3, past)) == []  # not even a first round
+    # not even a first round
+    assert asyncio.run(Synthesizer(_Scripted(), tok, 100, SynthesisConfig(chunk=8)).take(3, past)) == []
 
 
 def test_a_synthesizing_job_with_a_deadline_gets_its_prompts_a_batch_at_a_time():
@@ -169,7 +170,8 @@ def test_follow_ups_continue_the_conversation_reproducibly(engine):
     answers = SamplingParams(max_tokens=48)  # greedy, as the generator answers by default
 
     def run(seed):
-        return asyncio.run(synthesize_prompts(engine, tok, 3, SynthesisConfig(seed=seed, turns=2, answer_sampling=answers)))
+        return asyncio.run(synthesize_prompts(engine, tok, 3,
+                                              SynthesisConfig(seed=seed, turns=2, answer_sampling=answers)))
 
     a, counts = run(7)
     b, _ = run(7)
@@ -187,7 +189,8 @@ def test_follow_ups_continue_the_conversation_reproducibly(engine):
 
 def test_near_duplicates_are_found():
     idx = NearDupIndex(["How do I bake sourdough bread at home with a simple starter?"])
-    assert idx.find("how do i bake sourdough bread at home, with a simple starter") is not None  # exact after normalizing
+    # exact after normalizing
+    assert idx.find("how do i bake sourdough bread at home, with a simple starter") is not None
     assert idx.find("How do I bake sourdough bread at home with a very simple starter?") is not None  # near
     assert idx.find("What is the tallest mountain in Europe?") is None
 

@@ -277,7 +277,8 @@ def test_short_run_learns(trained, features):
     h = json.loads(art.get_bytes("history.json"))
     assert [e["step"] for e in h["val"]] == [0, 20, 40]
     assert [e["step"] for e in h["train"]] == list(range(1, 41))
-    assert set(h["train"][0]) == {"step", "loss", "acc", "lr", "tokens_per_s", "epoch", "samples"} and len(h["train"][0]["acc"]) == 2
+    assert (set(h["train"][0]) == {"step", "loss", "acc", "lr", "tokens_per_s", "epoch", "samples"}
+            and len(h["train"][0]["acc"]) == 2)
     first, last = h["val"][0], h["val"][-1]
     assert last["loss"] < 0.75 * first["loss"]
     # ~3k supervised tokens of human-written text: the drafter tops out near 25 % here (more, and the target's
@@ -400,7 +401,8 @@ def test_export_refuses_layouts_an_engine_would_capture_differently(tmp_path):
                                                             verifier, 3, EAGLE3), EAGLE3)
     # A drafter whose fc takes another number of aux layers than the layout names is refused before writing.
     with pytest.raises(LayoutMismatch, match="concatenates 3 aux layers, the layout 2"):
-        export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3, EAGLE3)
+        export_drafter(dcfg, weights, Layout(aux_layers=(1, 14), **base), tmp_path / "b", "float32", verifier, 3,
+                       EAGLE3)
     assert not (tmp_path / "b").exists()
 
 

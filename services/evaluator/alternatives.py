@@ -47,7 +47,8 @@ def measure_free(prompts: list[PromptIds], max_tokens: int, baseline_tok_s: dict
                     rows.append({"method": name, "served": True, "concurrency": c, "config": config,
                                  "tok_s": run["tok_s"], "speedup": run["tok_s"] / plain,
                                  "tau": run["acceptance_length"],
-                                 "accepted_per_output_token": run["accepted"] / run["tokens"] if run["tokens"] else None,
+                                 "accepted_per_output_token":
+                                     run["accepted"] / run["tokens"] if run["tokens"] else None,
                                  "why": None})
         except NotServing as e:  # its log's root cause
             rows.append({"method": name, "served": False, "concurrency": None, "config": config, "tok_s": None,

@@ -9,8 +9,8 @@ replaying the run lengths is (tests/test_evaluator.py compares it with services.
 
 The pass (shapes for one prompt of P tokens with output O, N = P + O, T = N - 1 drafter rows):
   target     one forward over the N tokens: aux states g [1, N, n_aux·H_t], greedy next tokens preds [N]
-  draft 0    rows t = 0..T-1 feed (g_t, x_{t+1}) causally (as eyas.drafter.chain_drafts does for a context ending at t+1);
-             row t proposes the token after x_{t+1}, compared with preds[t+1]
+  draft 0    rows t = 0..T-1 feed (g_t, x_{t+1}) causally (as eyas.drafter.chain_drafts does for a context
+             ending at t+1); row t proposes the token after x_{t+1}, compared with preds[t+1]
   draft j    row t feeds (its pre-norm state of step j-1, preds[t+j]) at position t+j, attending to step-0 keys
              ≤ t and its own keys of steps 1..j (eyas.drafter.TTTCache): while every earlier draft was accepted it
              equals preds[t+j], so this is the real chain exactly as long as it matters (a parallel drafter,

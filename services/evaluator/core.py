@@ -410,7 +410,8 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         out = {**measured, **serving.predict(times, bounds, per_k, len(prompts), model, method, spec.k)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [
-                {"method": method.name, "drafter": subject.uri, "tau_per_k": out["tau_per_k"], "drafter_s": times.drafter},
+                {"method": method.name, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
+                 "drafter_s": times.drafter},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
         spec_endpoint = spec.spec_endpoint
         if command and not spec_endpoint:

@@ -191,7 +191,8 @@ def _recorded_variant(exported: Exported, tried: list[Variant]) -> list[Variant]
         return [replace(v, recorded=True) if feeds_them(v) else v for v in tried]
     vllm_ids = [i + 1 for i in aux]
     return [*tried, Variant(
-        "as recorded", f"the config's aux ids contradict its eyas_layout, which records out({', '.join(map(str, aux))})",
+        "as recorded",
+        f"the config's aux ids contradict its eyas_layout, which records out({', '.join(map(str, aux))})",
         f"set \"eagle_aux_hidden_state_layer_ids\": {vllm_ids} (vLLM) and eagle_config's "
         f"\"eagle_aux_hidden_state_layer_ids\": {list(aux)} (SGLang)", aux, recorded=True)]
 

@@ -324,7 +324,8 @@ def _measured_answer(ans: dict[str, Any], serving: dict[str, Any]) -> dict[str, 
                        "(eyas run --minutes 30)")
     else:
         config = next(r["config"] for r in serving["alternatives"] if r["method"] == best and r["served"])
-        ans["next"] = (f"serve {alternatives.LABELS.get(best, best)} now (--speculative-config '{json.dumps(config)}'), "
+        ans["next"] = (f"serve {alternatives.LABELS.get(best, best)} now "
+                       f"(--speculative-config '{json.dumps(config)}'), "
                        "and train the drafter on more data (eyas run --minutes 30) until it passes it")
     return ans
 

@@ -31,9 +31,10 @@ class Spec(StageSpec):
                                     "spread evenly, distinct first turns")
     max_new_tokens: int = Field(128, ge=1, le=4096, description="tokens the target generates greedily per prompt "
                                 "(the drafts are replayed along them)")
-    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: prompts are scored, in an "
-                                    "order whose every prefix is spread over the file, while another batch and the "
-                                    "steps after it fit before it (at least min_prompts); the report says how many")
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: prompts are "
+                                    "scored, in an order whose every prefix is spread over the file, while another "
+                                    "batch and the steps after it fit before it (at least min_prompts); the report "
+                                    "says how many")
     min_prompts: int = Field(16, ge=1, le=10_000, description="the fewest prompts scored under a deadline (τ's "
                              "standard error over prompts shrinks as 1/√n)")
     decode_prompts: int | None = Field(

@@ -7,7 +7,8 @@ One round at context x_0..x_{n-1} (the target has processed x_0..x_{n-2} and hol
   verify         the target runs [x_{n-1}, d_1..d_K] once; d_i is accepted while it equals the target's argmax,
                  then the target's own next token (the bonus) is appended; the aux states of the accepted rows
                  extend g, and the KV cache is cropped to the accepted prefix.
-This is vLLM's chain proposer (docs/eagle3.md §6.1) and its counting (docs/eagle3.md §6.3): every verify round is one draft, accepted
+This is vLLM's chain proposer (docs/eagle3.md §6.1) and its counting (docs/eagle3.md §6.3): every verify round is one
+draft, accepted
 tokens are counted before stop/max_tokens truncation, τ = 1 + accepted / drafts, and per-position acceptance is
 accepted_at_pos_i / drafts. The output must equal the target's plain greedy decoding; `measure_acceptance` runs
 both, and records where they first differ with the target's logits for both tokens there: in bf16 a near tie can
@@ -234,7 +235,8 @@ def measure_acceptance(target: Target, drafter: Drafter, aux_layers: tuple[int, 
                         "divergence": None if diff is None else divergence(target, p.ids, spec.tokens, ref, diff)})
         drafts += spec.drafts
         per_pos = [x + y for x, y in zip(per_pos, spec.accepted_per_pos, strict=True)]
-        spec_tokens, spec_s, forwards = spec_tokens + len(spec.tokens), spec_s + spec.seconds, forwards + spec.target_forwards
+        spec_tokens, spec_s, forwards = (spec_tokens + len(spec.tokens), spec_s + spec.seconds,
+                                         forwards + spec.target_forwards)
         if progress is not None:
             progress(i + 1, len(prompts))
     accepted = sum(per_pos)

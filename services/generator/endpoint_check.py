@@ -61,7 +61,8 @@ async def _check(client: httpx.AsyncClient, engine: HttpEngine, tokenizer, targe
     ours = render_prompt(tokenizer, PROBE, template_kwargs)
     if served != ours:
         models = await _served_models(client, engine) or [engine.model]
-        at = next((i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b), min(len(served), len(ours)))
+        at = next((i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
+                  min(len(served), len(ours)))
         raise EndpointServesAnotherModel(
             f"endpoint {engine.url} serves {', '.join(models)}, not the target {target}: a probe conversation "
             f"renders to {len(served)} tokens there and {len(ours)} with the target's tokenizer and chat template, "

@@ -44,7 +44,8 @@ class EngineError(RuntimeError):
 
 class Engine(Protocol):
     # timeout_s: this request's read timeout, where the engine has one (default: sized to the request)
-    async def chat(self, messages: list[dict], params: SamplingParams, timeout_s: float | None = None) -> Completion: ...
+    async def chat(self, messages: list[dict], params: SamplingParams,
+                   timeout_s: float | None = None) -> Completion: ...
 
     async def complete_many(self, texts: list[str], params: SamplingParams) -> list[Completion]:
         """Raw-text completions (no chat template), stopping at the end-of-turn token; with a seed, request i

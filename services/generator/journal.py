@@ -21,7 +21,8 @@ class Journal:
     A full buffer is written by a thread of its own (group commit): the event loop goes on while the part is
     written and synced, and samples that finish meanwhile wait for the next part, so at hundreds of samples a
     second parts grow instead of each blocking the loop for an fsync (and a one-sample part per worker at the end;
-    the profile: bench/README.md § Generator under load). `flush()` commits everything, waiting for a part in flight; `await commit()` too, without
+    the profile: bench/README.md § Generator under load). `flush()` commits everything, waiting for a part in flight;
+    `await commit()` too, without
     blocking the event loop."""
 
     def __init__(self, artifact: Artifact, flush_every: int = 8, flush_s: float = 5.0,

@@ -19,8 +19,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of tokens whose "
                          "probabilities add up to this")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampling seed, for reproducible answers")
-    chat_template_kwargs: dict[str, Any] = Field({}, max_length=64, description='passed to the chat template, as JSON, e.g. '
-                                                 '\'{"enable_thinking": true}\'')
+    chat_template_kwargs: dict[str, Any] = Field({}, max_length=64, description='passed to the chat template, '
+                                                 'as JSON, e.g. \'{"enable_thinking": true}\'')
 
     @model_validator(mode="before")
     @classmethod
@@ -76,28 +76,30 @@ class Spec(StageSpec):
     limit: int | None = Field(None, ge=1, le=100_000_000, description="use the first N prompts")
     max_turns: int | None = Field(None, ge=1, le=256, description="regenerate at most this many assistant turns")
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="conversations per output shard file")
-    initial_concurrency: int | None = Field(None, ge=1, le=4096, description="requests in flight at the start; slow start "
-                                            "doubles it every round trip (default: half the concurrency, at least 4: "
-                                            "concurrency within one round trip)")
-    latency_factor: float = Field(4.0, ge=0, le=1000, description="congestion when answers take this many times the fastest "
-                                  "time per output token seen: keep it above how much slower per token a full batch "
-                                  "is than one request (2-4x on GPUs). Used where the endpoint publishes no queue on "
-                                  "/metrics; 0 = off")
+    initial_concurrency: int | None = Field(None, ge=1, le=4096, description="requests in flight at the start; slow "
+                                            "start doubles it every round trip (default: half the concurrency, at "
+                                            "least 4: concurrency within one round trip)")
+    latency_factor: float = Field(4.0, ge=0, le=1000, description="congestion when answers take this many times the "
+                                  "fastest time per output token seen: keep it above how much slower per token a full "
+                                  "batch is than one request (2-4x on GPUs). Used where the endpoint publishes no "
+                                  "queue on /metrics; 0 = off")
     max_attempts: int = Field(6, ge=1, le=100, description="tries per request before the dead-letter file")
     retry_wait_s: float = Field(0.5, gt=0, le=30, description="seconds before the first retry of a failed request, "
                                 "doubled with each try up to 30 s (a longer Retry-After from the server wins)")
     request_timeout_s: float | None = Field(None, gt=0, le=86_400, description="seconds to wait for an answer "
                                             "(default: 30 + max_tokens / 2, a generation at 2 tokens/s)")
-    checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part (resume granularity)")
+    checkpoint_every: int = Field(8, ge=1, le=1_000_000, description="finished samples per journal part "
+                                  "(resume granularity)")
     max_workers: int = Field(8, ge=1, le=256, description="most generator workers that share this job where "
                              "several run (its own and the helpers its chunks of prompts reach); 1 = its own only")
-    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is started unless "
-                                    "half of it would finish by then (as long as the last ones took), and the job "
-                                    "ends with the conversations it has (the rest counted as `unreached`). A job "
-                                    "that only synthesizes then draws its prompts a batch (`concurrency`) at a time, "
-                                    "each answered before the next")
-    synthesize_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline for synthesis, Unix seconds: no round "
-                                        "of candidates is drawn that would not end by then (default: finish_by)")
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: no prompt is "
+                                    "started unless half of it would finish by then (as long as the last ones took), "
+                                    "and the job ends with the conversations it has (the rest counted as `unreached`). "
+                                    "A job that only synthesizes then draws its prompts a batch (`concurrency`) at a "
+                                    "time, each answered before the next")
+    synthesize_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline for synthesis, Unix "
+                                        "seconds: no round of candidates is drawn that would not end by then (default: "
+                                        "finish_by)")
 
     @model_validator(mode="after")
     def _has_source(self):

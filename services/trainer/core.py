@@ -9,7 +9,8 @@ The drafter artifact (drafters/{job_id}/):
   history.json    {"train": [{step, loss, acc[k], lr, tokens_per_s}], "val": [{step, loss, acc[k]}]}
 Training runs in this process, or under torchrun when `processes` > 1 (DDP over the node's GPUs, by default all
 of them; the parent relays progress and cancellation). Across nodes, torchrun's rendezvous runs the same training
-module on every node (docs/operations.md, "On GPUs"); a train job whose `resume` names that run's artifact then exports it.
+module on every node (docs/operations.md, "On GPUs"); a train job whose `resume` names that run's artifact then exports
+it.
 Checkpoints under checkpoints/ let a redelivered or resumed job continue exactly where it stopped; they are
 removed once the artifact is committed.
 """

@@ -8,7 +8,8 @@
   `batch_tokens` padded tokens (a longer sample forms a batch alone) and the batches shuffled; the epoch is its
   windows' batches one window after the other. A batch is a list of rows, a row a list of samples: one sample each,
   or, packed (`pack`), each run's samples first-fit into rows that split `batch_tokens` evenly, each at least
-  twice the run's longest sample (attention is dense over a row: it costs at most a few times a padded batch's). The same (seed, epoch, lengths, windows, budget) give the same plan,
+  twice the run's longest sample (attention is dense over a row: it costs at most a few times a padded batch's). The
+  same (seed, epoch, lengths, windows, budget) give the same plan,
   and with one window it is a shuffle of every train sample with every other.
 - Position: `DataPosition(epoch, index)` names the next batch; a checkpoint stores it and resume continues there.
 - Data parallel: every rank walks the same global plan and takes its share of each batch's rows (`shard`).

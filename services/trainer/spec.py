@@ -61,23 +61,27 @@ class Spec(StageSpec):
                               description="optimizer steps; default: `epochs` over the train split")
     epochs: float = Field(1.0, gt=0, le=1000, description="passes over the train split (fractions allowed), when "
                           "steps is not given")
-    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: the steps (of `steps` or "
-                                    "`epochs`, at most) that fit before it, the learning-rate schedule sized to them "
-                                    "and re-sized as the step time drifts; then the last validation and the exports")
+    finish_by: float | None = Field(None, ge=0, le=UNIX_TIME_MAX, description="a deadline, Unix seconds: the steps (of "
+                                    "`steps` or `epochs`, at most) that fit before it, the learning-rate schedule "
+                                    "sized to them and re-sized as the step time drifts; then the last validation and "
+                                    "the exports")
     norm_before_fc: bool = Field(False, description="EAGLE 3.1: one RMSNorm over the concatenated aux states before fc "
                                  "(vLLM and speculators load it; SGLang does not)")
     fc_norm: bool = Field(False, description="EAGLE 3.1: one RMSNorm per aux layer before fc (not with norm_before_fc)")
     norm_output: bool = Field(False, description="EAGLE 3.1: feed the post-norm state to the next draft step")
     lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate (AdamW)")
     warmup: int = Field(50, ge=0, le=100_000_000, description="linear warmup steps, then cosine decay to 0")
-    batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step (all processes)")
+    batch_tokens: int = Field(4096, ge=16, le=16_777_216, description="padded tokens per optimizer step "
+                              "(all processes)")
     pack: bool = Field(True, description="pack several samples into a row (each attends to itself only), so a "
                        "batch carries almost no padding; a method that cannot (DFlash), and DDP (processes > 1), "
                        "train a sample per row")
-    val_every: int = Field(10, ge=2, le=1_000_000, description="every Nth sample (i mod N = 0) is validation, the rest train")
-    cache_gb: float = Field(DEFAULT_CACHE_GB, gt=0, le=1_000_000, description="local disk for the features, read "
-                            "as a stream: each epoch visits the shards in windows of half this, shuffled (one window in "
-                            "artifact order when they all fit, fetched once); validation keeps up to a quarter in memory")
+    val_every: int = Field(10, ge=2, le=1_000_000, description="every Nth sample (i mod N = 0) is validation, "
+                           "the rest train")
+    cache_gb: float = Field(DEFAULT_CACHE_GB, gt=0, le=1_000_000, description="local disk for the features, read as a "
+                            "stream: each epoch visits the shards in windows of half this, shuffled (one window in "
+                            "artifact order when they all fit, fetched once); validation keeps up to a quarter in "
+                            "memory")
     val_interval: int = Field(100, ge=0, le=100_000_000, description="validate every N steps (0: only at the end)")
     checkpoint_every: int = Field(200, ge=1, le=100_000_000, description="checkpoint every N steps (and at the end)")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the drafter's initialisation and the order of "
