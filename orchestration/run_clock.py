@@ -43,6 +43,7 @@ class RunClock:
     # the most evaluation's re-planned share takes: EVAL_SHARE of what is left as generation starts
     eval_cap: float = math.inf
     replanned: dict[str, float] = field(default_factory=dict)  # each stage's seconds in the last re-plan
+    replans: list[dict[str, Any]] = field(default_factory=list)  # every re-plan, as printed (for the run's summary)
 
     def __post_init__(self) -> None:
         self.machine = self.rates
@@ -100,6 +101,8 @@ class RunClock:
                       eval_cap_s=self.eval_cap)
         self.replanned.update(left)
         ratio = self.machine.forward_tok_s / self.rates.forward_tok_s
+        self.replans.append({"after": after.stage, "took_s": took(after), "conversations": done.samples,
+                             "machine_ratio": ratio, "seconds": left})
         print(f"re-plan after {after.stage} ({took(after):.0f} s, {done.samples} conversations; the machine ran "
               f"{ratio:.2f}x the probe's rates): {describe_seconds(left)}", flush=True)
         return left

@@ -13,6 +13,7 @@ do not fit the store's disk cap (`--store-gb`), extraction and training run toge
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -352,7 +353,10 @@ class _Pipeline:
                 if name != "output":
                     print(f"  {name}: {uri}")
         report = self.jobs[-1]
-        if report.stage != "evaluate" or report.state != "succeeded":
+        finished = report.stage == "evaluate" and report.state == "succeeded"
+        choice = _method_choice(report) if finished and len(reports) > 1 else None
+        self._write_summary(finished, drafters, report if finished else None, choice)
+        if not finished:
             print("pipeline did not finish; see the job records above")
             return 1
         print(f"\nacceptance length τ = {report.metrics.get('acceptance_length')}  "
@@ -362,15 +366,38 @@ class _Pipeline:
             print(f"  {name}: {uri}")
         if report.metrics.get("serving_decision"):
             print(f"\n{report.metrics['serving_decision']}")
-        if len(reports) > 1:
-            print(_method_choice(report, self.args.concurrency))
+        if choice is not None:
+            print(_describe_choice(choice, self.args.concurrency))
         return 0
 
     def unfinished(self) -> int:
         print()
         self._summary()
+        self._write_summary(False, [], None, None)
         print("pipeline did not finish; see the job records above")
         return 1
+
+    def _write_summary(self, finished: bool, drafters: list, report: Any, choice: dict | None) -> None:
+        """What the terminal shows, as data: `run.json` in the workdir (the plan, the re-plans, each job, the
+        exports, the report's figures and the method comparison), for scripts and tests to read."""
+        from orchestration.run_clock import took
+
+        clock = self.clock
+        summary = {
+            "finished": finished, "minutes": self.args.minutes, "elapsed_s": clock.elapsed(),
+            "rates": dataclasses.asdict(clock.rates), "plan": dataclasses.asdict(clock.plan),
+            "replans": clock.replans,
+            "jobs": [{"stage": j.stage, "state": j.state, "planned_s": clock.plan.seconds.get(j.stage),
+                      "replanned_s": clock.replanned.get(j.stage), "took_s": took(j), "error": j.error,
+                      "output": j.artifacts.get("output"), "metrics": j.metrics} for j in self.jobs],
+            "exports": {t.spec.get("method", DEFAULT_METHOD): {k: v for k, v in t.artifacts.items() if k != "output"}
+                        for t in drafters},
+            "report": None if report is None else {"metrics": report.metrics, "artifacts": report.artifacts},
+            "method_choice": choice,
+        }
+        path = self.runner.settings.workdir / "run.json"
+        path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        print(f"summary: {path}")
 
     def _summary(self) -> None:
         """Each job's state and seconds beside the plan's and the last re-plan's (each job is created when the one
@@ -386,11 +413,16 @@ class _Pipeline:
                   f"{job.artifacts.get('output', '')}")
 
 
-def _method_choice(report, concurrency: int) -> str:
-    """The method the last report's comparison predicts fastest at the concurrency nearest `concurrency`."""
+def _method_choice(report) -> dict:
+    """The last report's comparison of the methods (its `serving.methods`: each method's best per concurrency, and
+    the pick at each)."""
     from eyas.store import open_artifact
 
-    methods = json.loads(open_artifact(report.artifacts["output"]).get_bytes("report.json"))["serving"]["methods"]
+    return json.loads(open_artifact(report.artifacts["output"]).get_bytes("report.json"))["serving"]["methods"]
+
+
+def _describe_choice(methods: dict, concurrency: int) -> str:
+    """The method the comparison predicts fastest at the concurrency nearest `concurrency`."""
     pick = min(methods["choice"], key=lambda c: abs(c["concurrency"] - concurrency))
     table = "; ".join(f"{m['method']} " + ", ".join(
         f"{b['speedup']:.2f} × (K = {b['k']}) at {b['concurrency']}" if b["k"] is not None
