@@ -73,7 +73,8 @@ async def prompt_batches(spec: Spec, engine: Engine, tokenizer, settings: Settin
             return
         log.info("synthesized %d prompts (%d so far): %s", len(got), synth.counts["kept"], synth.counts)
         counts.update({f"synth_{k}": v for k, v in synth.counts.items()},
-                      held_out_dropped=synth.counts["held_out"], **{"source:synth": synth.counts["kept"]})
+                      held_out_dropped=synth.counts["held_out"], drawn_batches=counts.get("drawn_batches", 0) + 1,
+                      **{"source:synth": synth.counts["kept"]})
         yield got, counts
 
 
