@@ -1,4 +1,5 @@
-"""Typed settings, loaded once from the environment (prefix EYAS_) — see `get_settings()`."""
+"""Typed settings, loaded once from the environment (prefix EYAS_) — see `get_settings()`. What only the orchestration
+reads (the broker, leases, the APIs, the operator's quotas) extends these: orchestration.settings.ServiceSettings."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -34,17 +35,6 @@ class Settings(BaseSettings):
     # how long one store operation keeps retrying while S3 is unreachable or answering 5xx (then the job fails)
     s3_retry_s: float = Field(120.0, ge=0)
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    # How long a job of a dead worker (machine gone, whole worker SIGKILLed, pool process killed) waits before it
-    # runs again, not a cap on task length: a running task holds its job's lease, renewed every third of this, and a
-    # worker's sweep requeues a running job whose lease lapsed (orchestration.lease, orchestration.tasks).
-    visibility_timeout_s: float = Field(60.0, gt=0)
-    # How many runs a job gets whose worker dies under it (killed, out of memory, its machine gone): past that the
-    # job fails, saying so, where it would otherwise be sent to the queue again and again.
-    max_job_runs: int = Field(3, ge=1)
-    # How often each worker sweeps for jobs whose lease lapsed (and the broker for its expired deliveries).
-    lease_sweep_s: float = Field(2.0, gt=0)
-
     # A hand-off of features between an extract and a train job running together (eyas.handoff): how long either
     # side waits for the other (a shard, a consumed window) before it gives up.
     stream_stall_s: float = Field(3600.0, gt=0)
@@ -65,9 +55,6 @@ class Settings(BaseSettings):
     vllm_python: Path | None = Field(default_factory=lambda: _checkout_vllm_python())
     extract_engine: Literal["vllm", "transformers"] | None = None
 
-    api_key: SecretStr | None = None  # bearer key for every API when set
-    max_request_bytes: int = Field(1 << 20, ge=1024)  # API request bodies (job specs; data goes by URI)
-
     # What a job may name (eyas.confine checks every spec field that names a file, an object or a URL).
     # Local directories whose files jobs may read (comma-separated); embedded mode adds the workdir, and the CLI
     # the files and directories its user names. Service default: none (inputs come from the bucket).
@@ -84,20 +71,6 @@ class Settings(BaseSettings):
     # "python -m vllm.entrypoints.openai.api_server --dtype float32"). It starts the servers a job did not name an
     # endpoint for, on loopback. Only the operator sets it: a job spec never names a program (eyas.confine).
     vllm_command: str | None = None
-
-    # Operator quotas (orchestration.quotas): a job over one is refused at submit with a 422 naming the field and
-    # the cap, its `then` entries too; unset = no cap. Whether a generate job may name no endpoint (its target then
-    # runs in the worker): unset = allowed in embedded mode, forbidden in service mode.
-    allow_in_process_generation: bool | None = None
-    # Prompts a job runs: generate's limit (a prompt file needs one) + synthesize; evaluate's two prompt counts.
-    max_job_prompts: int | None = Field(None, ge=1)
-    # Answer tokens a job asks for: answers (prompts × turns: a prompt file needs max_turns) × generate's
-    # sampling.max_tokens; evaluate's prompts × max_new_tokens.
-    max_job_tokens: int | None = Field(None, ge=1)
-    max_job_epochs: float | None = Field(None, gt=0)  # train's epochs; extract's stream.epochs
-    max_job_steps: int | None = Field(None, ge=1)  # train's steps (a train job without steps runs its epochs)
-    # Wall time of one run of a job: past it the stage stops as at a cancel, and the job fails, saying so.
-    max_job_minutes: float | None = Field(None, gt=0)
 
     @field_validator("input_roots", "allowed_buckets", "allowed_endpoints", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from kombu import Queue
 
 from eyas.settings import Settings
 from orchestration.registry import STAGE_ORDER, STAGES
+from orchestration.settings import ServiceSettings
 
 TASK = "eyas.run_job"  # run_job(job_id), routed to the job's stage queue
 ASSIST_TASK = "eyas.assist_job"  # assist_job(job_id, attempt, index, ids): a chunk of a running job's work
@@ -35,6 +36,7 @@ BROKER_VISIBILITY_S = 12 * 3600
 
 
 def make_celery(settings: Settings) -> Celery:
+    settings = ServiceSettings.of(settings)
     app = Celery("eyas", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         task_queues=[Queue(stage, routing_key=stage) for stage in STAGES],

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from eyas.coordination import LimitFactory, Share, local_limits, local_share
 from eyas.settings import Settings
 from orchestration.lease import Leases
+from orchestration.settings import ServiceSettings
 from orchestration.shared_limit import SharedLimit
 from orchestration.workshare import SendChunk, share_by_tasks
 
@@ -31,6 +32,7 @@ def _alone(_stage: str, _job_id: str, _attempt: int) -> Share:
 
 def coordination_for(settings: Settings, leases: Leases | None = None,
                      send_chunk: SendChunk | None = None) -> Coordination:
+    settings = ServiceSettings.of(settings)
     if settings.mode != "service":
         return Coordination(limit=local_limits(settings.worker_max_in_flight), share=_alone)
 

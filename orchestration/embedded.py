@@ -17,16 +17,17 @@ from typing import Any
 from urllib.parse import unquote
 
 from eyas.confine import Names, visit
-from eyas.settings import Settings, get_settings
+from eyas.settings import Settings
 from eyas.store import Artifact, LocalStore
 from orchestration.execution import execute, runs_beside_parent, submit
 from orchestration.jobs import JobRecord, SqliteJobStore
 from orchestration.registry import get_stage, step_model
+from orchestration.settings import ServiceSettings, get_service_settings
 
 log = logging.getLogger(__name__)
 
 
-def command_line_settings(stage: str, spec: dict[str, Any], workdir: Path | None) -> Settings:
+def command_line_settings(stage: str, spec: dict[str, Any], workdir: Path | None) -> ServiceSettings:
     """Settings for a command line's job: each local path the spec names (its `then` entries too) becomes
     absolute, in `spec`, and an input root — the user named it, so the job may read it."""
     named: list[Path] = []
@@ -44,13 +45,13 @@ def command_line_settings(stage: str, spec: dict[str, Any], workdir: Path | None
     for step in spec.get("then", []):
         if isinstance(step, dict) and isinstance(step.get("stage"), str):
             visit(step_model(step["stage"]), step, local)
-    settings = Settings(workdir=workdir) if workdir else Settings()
+    settings = ServiceSettings(workdir=workdir) if workdir else ServiceSettings()
     return settings.model_copy(update={"input_roots": [*settings.input_roots, *named]})
 
 
 class EmbeddedRunner:
     def __init__(self, settings: Settings | None = None):
-        self.settings = settings or get_settings()
+        self.settings = ServiceSettings.of(settings) if settings else get_service_settings()
         self.settings.workdir.mkdir(parents=True, exist_ok=True)
         self.store = LocalStore(self.settings.store_root)
         self.jobs = SqliteJobStore(self.settings.workdir / "jobs.sqlite")

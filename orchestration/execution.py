@@ -46,6 +46,7 @@ from orchestration.jobs import (
 )
 from orchestration.quotas import OverQuota, check_quotas, wall_time_error
 from orchestration.registry import ARTIFACT_DIRS, get_stage, stages_after, step_model
+from orchestration.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def parse_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
     return parsed
 
 
-def _quotas(stage_name: str, parsed: BaseModel, settings: Settings, where: str = "") -> None:
+def _quotas(stage_name: str, parsed: BaseModel, settings: ServiceSettings, where: str = "") -> None:
     try:
         check_quotas(stage_name, parsed, settings, where)
     except OverQuota as e:
@@ -121,6 +122,7 @@ def validate_spec(stage_name: str, spec: dict[str, Any], settings: Settings):
     """Parse and confine a spec for a stage, and every `then` entry too (each as its stage's spec without the
     input, which the stage before provides), then hold each to the operator's quotas (orchestration.quotas), so a
     pipeline fails at submit, not hours later."""
+    settings = ServiceSettings.of(settings)
     parsed = parse_spec(stage_name, spec, settings)
     steps = [(stage_name, parsed, "")]
     prev = stage_name
@@ -160,7 +162,7 @@ class _WallTime:
     """The operator's wall-time cap on one run of a job (EYAS_MAX_JOB_MINUTES; none when unset): once the run is
     past it, `stop` is set, as a cancel sets it, and `passed()` says so."""
 
-    def __init__(self, settings: Settings, stop: threading.Event):
+    def __init__(self, settings: ServiceSettings, stop: threading.Event):
         minutes = settings.max_job_minutes
         self.deadline = None if minutes is None else time.monotonic() + 60 * minutes
         self._reached = threading.Event()
@@ -189,7 +191,7 @@ def _job_reporter(jobs: JobStore, job_id: str, over_time: Callable[[], bool] = l
     return report
 
 
-def _stopped(jobs: JobStore, job_id: str, settings: Settings, wall: _WallTime, metrics: dict[str, Any],
+def _stopped(jobs: JobStore, job_id: str, settings: ServiceSettings, wall: _WallTime, metrics: dict[str, Any],
              why: str) -> JobRecord:
     """The record of a run told to stop: failed at the operator's wall-time cap (unless a cancel came too), else
     cancelled."""
@@ -214,7 +216,7 @@ def runs_beside_parent(jobs: JobStore, job_id: str, settings: Settings) -> bool:
 
 
 def _submit_next(spec: StageSpec, job_id: str, input_uri: str, jobs: JobStore, dispatch: Dispatch,
-                 settings: Settings) -> str | None:
+                 settings: ServiceSettings) -> str | None:
     """Submit the next stage of `then` on `input_uri`, unless it was already: its id derives from this job's, so a
     redelivered task, or the end of a job that handed off at its start, never enqueues it twice. Its id, or None
     when `then` is empty."""
@@ -232,6 +234,7 @@ def _submit_next(spec: StageSpec, job_id: str, input_uri: str, jobs: JobStore, d
 
 def execute(job_id: str, jobs: JobStore, store: ObjectStore, settings: Settings, dispatch: Dispatch,
             output: Artifact | None = None, coordination: Coordination | None = None) -> JobRecord:
+    settings = ServiceSettings.of(settings)
     job = jobs.get(job_id)
     if job.state in TERMINAL:
         log.info("job %s is already %s; nothing to do", job_id, job.state)

@@ -1,5 +1,5 @@
-"""The operator's quotas (eyas.settings: EYAS_MAX_JOB_*, EYAS_ALLOW_IN_PROCESS_GENERATION): orchestration policy,
-of which the stages know nothing.
+"""The operator's quotas (orchestration.settings: EYAS_MAX_JOB_*, EYAS_ALLOW_IN_PROCESS_GENERATION): orchestration
+policy, of which the stages know nothing.
 
 `check_quotas` judges a parsed spec at submit (orchestration.execution.validate_spec: the job and each `then`
 entry), from what the spec states; a quantity it cannot state (a prompt file's length, a conversation's turns)
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from eyas.settings import Settings
+from orchestration.settings import ServiceSettings
 
 # stage → (field, setting): the caps a field's own value must keep to; the API schema states them as maxima
 # (orchestration.api.openapi). The caps over a sum or product of fields are the checks below.
@@ -38,23 +39,23 @@ def env_name(setting: str) -> str:
     return f"EYAS_{setting.upper()}"
 
 
-def _cap(settings: Settings, setting: str) -> str:
+def _cap(settings: ServiceSettings, setting: str) -> str:
     value = getattr(settings, setting)
     return f"{env_name(setting)}={value:g}" if isinstance(value, float) else f"{env_name(setting)}={value}"
 
 
-def _exceeds(settings: Settings, setting: str) -> str:
+def _exceeds(settings: ServiceSettings, setting: str) -> str:
     return f"exceeds the operator's cap {_cap(settings, setting)}"
 
 
-def in_process_generation_allowed(settings: Settings) -> bool:
+def in_process_generation_allowed(settings: ServiceSettings) -> bool:
     """Whether a generate job may name no endpoint (its target then runs in the worker): the setting, else only
     in embedded mode."""
     allowed = settings.allow_in_process_generation
     return settings.mode == "embedded" if allowed is None else allowed
 
 
-def wall_time_error(settings: Settings) -> str:
+def wall_time_error(settings: ServiceSettings) -> str:
     """The error a job stopped at the wall-time cap records."""
     return f"stopped at the operator's wall-time cap {_cap(settings, 'max_job_minutes')} (minutes of one run)"
 
@@ -68,6 +69,7 @@ def _value(spec: Any, field: str) -> Any:
 def check_quotas(stage: str, spec: Any, settings: Settings, where: str = "") -> None:
     """Refuse (OverQuota) a parsed spec of `stage` over one of the operator's quotas; `where` prefixes the field
     (`then[1].` for a `then` entry). A cap left unset checks nothing (in-process generation: see its setting)."""
+    settings = ServiceSettings.of(settings)
     for field, setting in FIELD_CAPS.get(stage, ()):
         cap, value = getattr(settings, setting), _value(spec, field)
         if cap is not None and isinstance(value, int | float) and value > cap:
@@ -78,7 +80,7 @@ def check_quotas(stage: str, spec: Any, settings: Settings, where: str = "") -> 
         _evaluate(spec, settings, where)
 
 
-def _generate(spec: Any, settings: Settings, where: str) -> None:
+def _generate(spec: Any, settings: ServiceSettings, where: str) -> None:
     if spec.endpoint is None and not in_process_generation_allowed(settings):
         why = ("forbidden by the operator (EYAS_ALLOW_IN_PROCESS_GENERATION=false)"
                if settings.allow_in_process_generation is False else
@@ -116,7 +118,7 @@ def _generate(spec: Any, settings: Settings, where: str) -> None:
                         f"{_exceeds(settings, 'max_job_tokens')}")
 
 
-def _evaluate(spec: Any, settings: Settings, where: str) -> None:
+def _evaluate(spec: Any, settings: ServiceSettings, where: str) -> None:
     if settings.max_job_prompts is None and settings.max_job_tokens is None:
         return
     second = spec.second_num_prompts if spec.second_prompts is not None else 0

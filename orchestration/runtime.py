@@ -21,13 +21,14 @@ from orchestration.coordination import Coordination, coordination_for
 from orchestration.execution import Dispatch, execute, runs_beside_parent
 from orchestration.jobs import JobStore, RedisJobStore
 from orchestration.lease import Leases
+from orchestration.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Runtime:
-    settings: Settings
+    settings: ServiceSettings
     jobs: JobStore
     store: ObjectStore
     dispatch: Dispatch
@@ -40,6 +41,7 @@ class Runtime:
 def service_runtime(settings: Settings) -> Runtime:
     from orchestration.celery_app import celery_dispatch, celery_send_chunk, make_celery
 
+    settings = ServiceSettings.of(settings)
     app = make_celery(settings)
     jobs = RedisJobStore(settings.redis_url)
     store = S3Store(settings)
@@ -60,7 +62,7 @@ class BackgroundExecutor:
     own (orchestration.execution.runs_beside_parent). On start it picks up the jobs a previous process left queued or
     running, as a worker would after a crash."""
 
-    def __init__(self, jobs: JobStore, store: ObjectStore, settings: Settings):
+    def __init__(self, jobs: JobStore, store: ObjectStore, settings: ServiceSettings):
         self.jobs, self.store, self.settings = jobs, store, settings
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="eyas-embedded-jobs", daemon=True)
@@ -97,6 +99,7 @@ class BackgroundExecutor:
 def embedded_runtime(settings: Settings) -> Runtime:
     from orchestration.embedded import EmbeddedRunner
 
+    settings = ServiceSettings.of(settings)
     emb = EmbeddedRunner(settings)
     executor = BackgroundExecutor(emb.jobs, emb.store, settings)
     return Runtime(settings=settings, jobs=emb.jobs, store=emb.store, dispatch=executor.dispatch,
@@ -106,4 +109,5 @@ def embedded_runtime(settings: Settings) -> Runtime:
 
 
 def runtime_for(settings: Settings) -> Runtime:
+    settings = ServiceSettings.of(settings)
     return service_runtime(settings) if settings.mode == "service" else embedded_runtime(settings)

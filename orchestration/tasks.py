@@ -22,23 +22,23 @@ from pathlib import Path
 
 from celery.signals import worker_ready
 
-from eyas.settings import get_settings
 from orchestration.celery_app import ASSIST_TASK, TASK, make_celery
 from orchestration.execution import assist, execute
 from orchestration.jobs import IllegalTransition, JobNotFound
 from orchestration.lease import job_lease
 from orchestration.registry import STAGES, get_stage
 from orchestration.runtime import Runtime, service_runtime
+from orchestration.settings import get_service_settings
 from orchestration.workshare import ORDERED, ChunkWork, ordered_chunks
 
 log = logging.getLogger(__name__)
-app = make_celery(get_settings())
+app = make_celery(get_service_settings())
 
 
 @lru_cache
 def _runtime() -> Runtime:
     # built lazily, in the pool process that runs tasks (no connections shared across fork)
-    runtime = service_runtime(get_settings())
+    runtime = service_runtime(get_service_settings())
     runtime.store.ensure_bucket()
     return runtime
 
@@ -105,7 +105,7 @@ def heartbeat_file(stage: str) -> Path:
 
 
 def _sweep_forever(stage: str) -> None:
-    runtime = service_runtime(get_settings())
+    runtime = service_runtime(get_service_settings())
     stop = threading.Event()
     while not stop.wait(runtime.settings.lease_sweep_s):
         try:

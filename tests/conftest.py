@@ -17,8 +17,8 @@ import httpx
 import pytest
 import redis
 
-from eyas.settings import Settings
 from eyas.store import S3Store
+from orchestration.settings import ServiceSettings
 from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, s3_server, vllm_server
 
 # Extract jobs run the target in transformers unless a test names the vLLM engine (engine: vllm): a capture engine
@@ -51,7 +51,7 @@ def vllm_url() -> Iterator[str]:
 class ServiceEnv:
     """Service-mode settings for one test: its own Redis database (flushed) and its own S3 bucket."""
 
-    settings: Settings
+    settings: ServiceSettings
     env: dict[str, str]  # the same settings as EYAS_* variables, for subprocesses
     workdir: Path
 
@@ -75,7 +75,7 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Iterat
         "allow_in_process_generation": "true",
         "extract_engine": "transformers",
     }
-    settings = Settings(**values)
+    settings = ServiceSettings(**values)
     store = S3Store(settings)
     store.ensure_bucket()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EYAS_")}

@@ -20,6 +20,7 @@ from orchestration.api.app import create_app
 from orchestration.execution import validate_spec
 from orchestration.jobs import JobRecord, RedisJobStore, transition
 from orchestration.lease import Leases, job_lease
+from orchestration.settings import ServiceSettings
 from tests.conftest import ServiceEnv, wait_for_job
 from tests.servers import S3_SECRET, free_port
 
@@ -52,7 +53,7 @@ def service_client(service_settings: ServiceEnv):
         yield client
 
 
-def _nothing_written(settings: Settings) -> None:
+def _nothing_written(settings: ServiceSettings) -> None:
     assert RedisJobStore(settings.redis_url).counts() == {}
     assert redis.Redis.from_url(settings.redis_url).llen("generate") == 0
     assert S3Store(settings).list("") == []

@@ -23,8 +23,10 @@ def _worker_settings(service_settings, monkeypatch, **env: str | None):
                 monkeypatch.delenv(k, raising=False)
             else:
                 monkeypatch.setenv(k, v)
-    get_settings.cache_clear()
-    return get_settings()
+    from orchestration.settings import ServiceSettings
+
+    get_settings.cache_clear()  # a stage reads them too (eyas.settings.get_settings)
+    return ServiceSettings()
 
 
 def test_extract_job_on_redis_and_s3(tmp_path, service_settings, monkeypatch):

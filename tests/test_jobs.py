@@ -123,12 +123,12 @@ def test_concurrent_writers_lose_nothing(jobs):
 def test_a_job_whose_worker_keeps_dying_fails_saying_so(tmp_path):
     """A run that its worker did not survive leaves the job "running"; the run that finds EYAS_MAX_JOB_RUNS of those
     behind it fails the job with the reason (an OOM-killed worker would otherwise be fed the same job forever)."""
-    from eyas.settings import Settings
     from eyas.store import LocalStore
     from orchestration.execution import execute
+    from orchestration.settings import ServiceSettings
 
     jobs = SqliteJobStore(tmp_path / "jobs.sqlite")
-    settings = Settings(workdir=tmp_path, max_job_runs=2)
+    settings = ServiceSettings(workdir=tmp_path, max_job_runs=2)
     job = _new(jobs)
     transition(jobs, job.id, "running", attempts=2, worker="host-a:7")  # two runs, each ended by its worker's death
     done = execute(job.id, jobs, LocalStore(tmp_path / "store"), settings, dispatch=lambda *_: None)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult, StageSpec
 from orchestration import registry
 from orchestration.api.app import create_app
@@ -20,6 +19,7 @@ from orchestration.embedded import EmbeddedRunner
 from orchestration.execution import SpecError, validate_spec
 from orchestration.jobs import request_cancel
 from orchestration.quotas import OverQuota, check_quotas
+from orchestration.settings import ServiceSettings
 from services.evaluator.spec import Spec as EvaluateSpec
 from services.extractor.spec import Spec as ExtractSpec
 from services.generator.spec import Spec as GenerateSpec
@@ -31,16 +31,16 @@ SPECS = {"generate": GenerateSpec, "extract": ExtractSpec, "train": TrainSpec, "
 
 def refused(stage: str, spec: dict, **settings) -> OverQuota:
     with pytest.raises(OverQuota) as e:
-        check_quotas(stage, SPECS[stage].model_validate(spec), Settings(**settings))
+        check_quotas(stage, SPECS[stage].model_validate(spec), ServiceSettings(**settings))
     return e.value
 
 
 def taken(stage: str, spec: dict, **settings) -> None:
-    check_quotas(stage, SPECS[stage].model_validate(spec), Settings(**settings))
+    check_quotas(stage, SPECS[stage].model_validate(spec), ServiceSettings(**settings))
 
 
 def test_no_cap_is_set_by_default():
-    settings = Settings()
+    settings = ServiceSettings()
     assert [settings.max_job_prompts, settings.max_job_tokens, settings.max_job_epochs, settings.max_job_steps,
             settings.max_job_minutes, settings.allow_in_process_generation] == [None] * 6
     taken("generate", {"prompts": "bundled:sharegpt", "synthesize": 1_000_000})
@@ -58,7 +58,7 @@ def test_in_process_generation_is_off_in_service_mode_unless_allowed(monkeypatch
     e = refused("generate", spec, mode="embedded", allow_in_process_generation=False)
     assert e.field == "endpoint" and "EYAS_ALLOW_IN_PROCESS_GENERATION=false" in e.message
     monkeypatch.setenv("EYAS_ALLOW_IN_PROCESS_GENERATION", "false")  # the operator sets it in the environment
-    assert Settings().allow_in_process_generation is False
+    assert ServiceSettings().allow_in_process_generation is False
 
 
 def test_prompts_cap():
@@ -136,7 +136,7 @@ def test_epochs_and_steps_caps():
 
 
 def test_then_entries_are_held_to_the_caps_too(tmp_path: Path):
-    settings = Settings(workdir=tmp_path / "w", max_job_epochs=3, max_job_prompts=10)
+    settings = ServiceSettings(workdir=tmp_path / "w", max_job_epochs=3, max_job_prompts=10)
     data = {"data": "s3://eyas/datasets/x"}
     with pytest.raises(SpecError) as e:
         validate_spec("extract", {**data, "then": [{"stage": "train", "epochs": 5}]}, settings)
@@ -157,7 +157,7 @@ def test_then_entries_are_held_to_the_caps_too(tmp_path: Path):
 
 
 def test_the_api_refuses_a_job_over_a_cap_with_a_422_naming_it(tmp_path: Path):
-    settings = Settings(mode="embedded", workdir=tmp_path / "work", max_job_epochs=3, max_job_prompts=10)
+    settings = ServiceSettings(mode="embedded", workdir=tmp_path / "work", max_job_epochs=3, max_job_prompts=10)
     with TestClient(create_app("train", settings)) as client:
         r = client.post("/v1/jobs", json={"features": "s3://eyas/features/x", "epochs": 5})
         assert r.status_code == 422, r.text
@@ -171,7 +171,7 @@ def test_the_api_refuses_a_job_over_a_cap_with_a_422_naming_it(tmp_path: Path):
         components = client.get("/openapi.json").json()["components"]["schemas"]
         assert components["Spec"]["properties"]["epochs"]["maximum"] == 3
         assert components["EvaluateStep"]["properties"]["num_prompts"]["maximum"] == 10
-    off = Settings(mode="embedded", workdir=tmp_path / "work2", allow_in_process_generation=False)
+    off = ServiceSettings(mode="embedded", workdir=tmp_path / "work2", allow_in_process_generation=False)
     with TestClient(create_app("generate", off)) as client:
         r = client.post("/v1/jobs", json={"prompts": "bundled:sharegpt"})
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "endpoint"
@@ -191,7 +191,7 @@ class FakeSpec(StageSpec):
 
 @pytest.fixture
 def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[EmbeddedRunner]:
-    runner = EmbeddedRunner(Settings(workdir=tmp_path / "w", max_job_minutes=0.005))  # 0.3 s
+    runner = EmbeddedRunner(ServiceSettings(workdir=tmp_path / "w", max_job_minutes=0.005))  # 0.3 s
 
     def run(spec: FakeSpec, ctx: StageContext) -> StageResult:
         t0 = time.monotonic()

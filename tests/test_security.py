@@ -11,6 +11,7 @@ import httpx
 
 from eyas.settings import Settings
 from orchestration.celery_app import make_celery
+from orchestration.settings import ServiceSettings
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("eyas", "services", "bench") for p in (REPO / d).rglob("*.py")]
@@ -29,7 +30,7 @@ def test_task_messages_are_json_only():
 
 
 def test_secrets_do_not_show_in_settings_text():
-    s = Settings(s3_secret_key="s3-very-secret", api_key="api-very-secret")
+    s = ServiceSettings(s3_secret_key="s3-very-secret", api_key="api-very-secret")
     text = repr(s) + str(s) + s.model_dump_json()
     assert "s3-very-secret" not in text and "api-very-secret" not in text
 

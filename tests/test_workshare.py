@@ -12,11 +12,11 @@ import time
 
 import redis
 
-from eyas.settings import Settings
 from orchestration.coordination import coordination_for
 from orchestration.jobs import JobRecord, RedisJobStore, transition
 from orchestration.lease import Leases, job_lease
 from orchestration.runtime import Runtime
+from orchestration.settings import ServiceSettings
 from orchestration.tasks import requeue_orphans
 from orchestration.workshare import ORDERED, ChunkWork, cut_chunks, ordered_chunks, share_by_tasks
 
@@ -118,7 +118,7 @@ def test_a_killed_helpers_chunk_is_taken_over_when_its_lease_lapses(redis_url):
 
 
 def test_the_sweep_requeues_a_running_job_whose_lease_lapsed_once_per_attempt(redis_url):
-    settings = Settings(mode="service", redis_url=redis_url)
+    settings = ServiceSettings(mode="service", redis_url=redis_url)
     client = redis.Redis.from_url(redis_url)
     jobs = RedisJobStore(redis_url, namespace=f"test-sweep-{next(_jobs)}")
     dispatched: list[tuple[str, str]] = []

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eyas.settings import Settings, get_settings
+from eyas.settings import Settings
 from orchestration.api.guards import BodyLimit, DocsKey, Methods
 from orchestration.api.metrics import JobCollector
 from orchestration.api.openapi import documented
@@ -38,6 +38,7 @@ from orchestration.api.routes import job_routes, probe_routes
 from orchestration.api.schemas import problem
 from orchestration.registry import get_stage
 from orchestration.runtime import runtime_for
+from orchestration.settings import ServiceSettings, get_service_settings
 
 log = logging.getLogger(__name__)
 MAX_PROBLEMS = 20  # named in one 422
@@ -73,7 +74,7 @@ def _problems(errors: list[dict]) -> list[dict]:
 
 
 def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
-    settings = settings or get_settings()
+    settings = ServiceSettings.of(settings) if settings else get_service_settings()
     spec_cls = get_stage(stage).spec_cls
     runtime = runtime_for(settings)
 

@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from eyas.settings import Settings
 from orchestration.api.schemas import problem
+from orchestration.settings import ServiceSettings
 
 
-def api_key_check(settings: Settings) -> Callable[..., None]:
+def api_key_check(settings: ServiceSettings) -> Callable[..., None]:
     bearer = HTTPBearer(auto_error=False, description="EYAS_API_KEY, when the service has one")
 
     def authorized(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -37,6 +37,6 @@ def known_query(request: Request) -> None:
                                   for k in unknown])
 
 
-def v1_dependencies(settings: Settings) -> list:
+def v1_dependencies(settings: ServiceSettings) -> list:
     """The key is documented (OpenAPI security) and checked only when the service has one."""
     return ([Depends(api_key_check(settings))] if settings.api_key is not None else []) + [Depends(known_query)]

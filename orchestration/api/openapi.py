@@ -20,9 +20,9 @@ from typing import Any
 from fastapi import FastAPI
 
 from eyas.confine import SCHEMA_KEY, Names, Policy
-from eyas.settings import Settings
 from orchestration.quotas import FIELD_CAPS, in_process_generation_allowed
 from orchestration.registry import get_stage, stages_after, step_model
+from orchestration.settings import ServiceSettings
 
 
 def _patterns(node: Any, policy: Policy) -> None:
@@ -67,7 +67,7 @@ def _maximum(model: dict[str, Any], path: list[str], cap: float, components: dic
             node["maximum"] = min(node.get("maximum", cap), cap)
 
 
-def _quotas(schema: dict[str, Any], stage: str, settings: Settings) -> None:
+def _quotas(schema: dict[str, Any], stage: str, settings: ServiceSettings) -> None:
     components = schema["components"]["schemas"]
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     models = {stage: components[body["$ref"].rsplit("/", 1)[1]]}
@@ -102,7 +102,7 @@ def _artifacts(schema: dict[str, Any], stage: str) -> None:
     components["JobView"]["properties"]["artifacts"]["properties"] = documents
 
 
-def documented(app: FastAPI, stage: str, settings: Settings) -> Callable[[], dict[str, Any]]:
+def documented(app: FastAPI, stage: str, settings: ServiceSettings) -> Callable[[], dict[str, Any]]:
     """A replacement for `app.openapi`: FastAPI's schema, completed as above (built once)."""
     plain = app.openapi
     policy = Policy.of(settings)

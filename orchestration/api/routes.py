@@ -15,7 +15,6 @@ from fastapi import APIRouter, Body, HTTPException, Path, Query, Request, Respon
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from eyas.settings import Settings
 from eyas.stage import StageSpec
 from orchestration.api.deps import v1_dependencies
 from orchestration.api.schemas import JobView, Message, Problems, Submitted, links, problem, view
@@ -31,12 +30,13 @@ from orchestration.jobs import (
 )
 from orchestration.lease import job_lease
 from orchestration.runtime import Runtime
+from orchestration.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 JobId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="job id")]
 
 
-def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings: Settings,
+def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings: ServiceSettings,
                rejected: Counter) -> APIRouter:
     router = APIRouter(prefix="/v1/jobs", dependencies=v1_dependencies(settings))
     errors = _error_responses(settings)
@@ -90,7 +90,7 @@ def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings
     return router
 
 
-def probe_routes(stage: str, runtime: Runtime, settings: Settings, registry: CollectorRegistry) -> APIRouter:
+def probe_routes(stage: str, runtime: Runtime, settings: ServiceSettings, registry: CollectorRegistry) -> APIRouter:
     router = APIRouter()
 
     @router.get("/healthz")
@@ -126,7 +126,7 @@ def probe_routes(stage: str, runtime: Runtime, settings: Settings, registry: Col
     return router
 
 
-def _error_responses(settings: Settings) -> dict[int, dict]:
+def _error_responses(settings: ServiceSettings) -> dict[int, dict]:
     """The errors every route of a stage's jobs may answer: an invalid request, and a missing or wrong API key
     where the service has one."""
     errors = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}

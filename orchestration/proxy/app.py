@@ -14,6 +14,7 @@ from eyas.settings import Settings
 from orchestration.proxy.recorder import Capture, Recorder, traffic_store
 from orchestration.proxy.settings import ProxySettings
 from orchestration.proxy.upstream import Upstream, UpstreamError
+from orchestration.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 CONTROL_PATH = "/_eyas/recording"
@@ -142,6 +143,7 @@ class ProxyApp:
 
 
 def build_app(proxy: ProxySettings, settings: Settings) -> ProxyApp:
+    settings = ServiceSettings.of(settings)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return ProxyApp(proxy, Recorder(traffic_store(settings), proxy), api_key=key)
 

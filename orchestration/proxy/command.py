@@ -25,9 +25,9 @@ def add_proxy_commands(sub) -> None:
 
 
 def _settings(args: argparse.Namespace):
-    from eyas.settings import Settings, get_settings
+    from orchestration.settings import ServiceSettings, get_service_settings
 
-    return Settings(workdir=args.workdir) if args.workdir else get_settings()
+    return ServiceSettings(workdir=args.workdir) if args.workdir else get_service_settings()
 
 
 def run_proxy_command(args: argparse.Namespace) -> int:
