@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -44,7 +43,7 @@ sys.path.insert(0, str(REPO))  # the fake endpoint and the fault proxy are the t
 
 from tests.fake_llm import FakeLLM  # noqa: E402
 from tests.fault_proxy import FaultProxy  # noqa: E402
-from tests.servers import free_port, redis_server  # noqa: E402
+from tests.servers import free_port, redis_server, wait_http  # noqa: E402
 
 RETRY_WAIT_S = 0.05  # eyas's first retry waits 0.5 s by default: scaled down with the generations
 BARE_POOL = 16  # connections per httpx client of the bare client
@@ -56,16 +55,6 @@ def _serve_faults(upstream: str, timeout_s: float, conn) -> None:
     with FaultProxy(upstream, FAULTS, delay_s=timeout_s + 1, retry_after="0") as url:
         conn.send(url)
         conn.recv()  # until the benchmark is done
-
-
-def _wait_up(url: str) -> None:
-    for _ in range(200):
-        try:
-            httpx.get(f"{url}/stats", timeout=1)
-            return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def _measure(server: str) -> dict:
@@ -278,7 +267,7 @@ def main() -> None:
     procs = [multiprocessing.Process(target=fake.serve_forever, args=(port,), daemon=True)]
     procs[0].start()
     server = f"http://127.0.0.1:{port}"
-    _wait_up(server)
+    wait_http(f"{server}/stats")
     ours, theirs = multiprocessing.Pipe()
     procs.append(multiprocessing.Process(target=_serve_faults, args=(server, args.timeout_s, theirs), daemon=True))
     procs[1].start()

@@ -29,17 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.fake_llm import FakeLLM  # noqa: E402
-from tests.servers import free_port  # noqa: E402
-
-
-def _wait_up(url: str) -> None:
-    for _ in range(400):
-        try:
-            httpx.get(f"{url}/metrics", timeout=1)
-            return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
+from tests.servers import free_port, wait_http  # noqa: E402
 
 
 def _cpu_s(pid: int) -> float:
@@ -86,7 +76,7 @@ def main() -> None:
     endpoint = multiprocessing.Process(target=fake.serve_forever, args=(port,), daemon=True)
     endpoint.start()
     bare = f"http://127.0.0.1:{port}"
-    _wait_up(bare)
+    wait_http(f"{bare}/metrics")
     with tempfile.TemporaryDirectory(prefix="eyas-bench-proxy-") as tmp:
         proxy = subprocess.Popen(
             [sys.executable, "-m", "orchestration.cli", "proxy", "--upstream", bare, "--port", str(proxy_port),
@@ -94,7 +84,7 @@ def main() -> None:
              "--workdir", tmp], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
         through = f"http://127.0.0.1:{proxy_port}"
         try:
-            _wait_up(through)
+            wait_http(f"{through}/metrics")
             run(args, bare, through, proxy.pid)
         finally:
             proxy.terminate()

@@ -47,6 +47,11 @@ def _wait(check, timeout: float, what: str, proc: subprocess.Popen | None = None
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s\n{tail}")
 
 
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    """Until `url` answers an HTTP request (any status): a server started in this process's threads is up."""
+    _wait(lambda: httpx.get(url, timeout=1) is not None, timeout, url)
+
+
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free port (never the machine's shared 6379 instance)."""
