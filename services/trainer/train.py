@@ -142,7 +142,7 @@ def _check_epochs(spec: Spec, data: TrainData, total: int) -> None:
     if available is None:
         return
     batches = BatchStream(data.lengths, spec.batch_tokens, spec.seed, windows=data.windows(spec.seed),
-                          pack=spec.packed)
+                          pack=_packs(spec))
     if total > sum(batches.batches_per_epoch(e) for e in range(available)):
         raise ValueError(f"{total} steps need more than the {available} epochs the features stream extracts "
                          f"(extract spec stream.epochs): raise it, or train fewer steps or epochs")
@@ -163,7 +163,7 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     drafter = method.build(spec, target, layout, embed, head, used)
     vocab_coverage = coverage(data.counts, used) if used is not None else 1.0
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed),
-                        spec.packed)
+                        _packs(spec))
     _check_epochs(spec, data, total)
     return TrainingSetup(layout=layout, data=data, drafter=drafter, target_lm_head=head,
                          vocab_coverage=vocab_coverage, total_steps=total)
@@ -192,6 +192,12 @@ class TargetTopCache:
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _packs(spec: Spec) -> bool:
+    """Packed batches on one process only (Spec.packed): a torchrun launch may have more ranks than its spec's
+    `processes`, and ranks share a batch by rows."""
+    return spec.packed and _rank_world()[1] == 1
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
@@ -406,7 +412,7 @@ def train(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, r
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     stream = BatchStream(data.lengths, spec.batch_tokens, spec.seed, run.position, data.windows(spec.seed),
-                         spec.packed)
+                         _packs(spec))
     total, start = run.setup.total_steps, run.step
     schedule = _Schedule(total, Deadline(spec.finish_by), Pace())  # a deadline only shortens the spec's steps
     if run.releases and rank == 0 and run.step < total:  # windows a run before this one finished (it may have
