@@ -17,6 +17,13 @@ from collections.abc import Callable, Iterator
 CHECK_S = 0.5  # how often `check` runs while no line comes
 
 
+def emit(line: str) -> None:
+    """Print a tagged line for the parent in one write: ranks share torchrun's stdout pipe, and print() writes the
+    text and its newline apart, so two ranks' lines could interleave (a pipe keeps one write of up to 4 KiB whole)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Lines:
     """A child process's stdout lines, read by a thread of their own, so that the parent can wait for the next one
     and still notice a cancel."""

@@ -18,6 +18,7 @@ from eyas.capture import Captured
 from eyas.device import placement
 from eyas.handoff import read_plan
 from eyas.manifest import ArtifactWriter
+from eyas.ranks import emit
 from eyas.settings import get_settings
 from eyas.store import open_artifact
 from eyas.target import load_target
@@ -42,8 +43,8 @@ def main(argv: list[str]) -> None:
     stream = read_plan(output) if spec.stream else None  # the parent announced it
     items, uploaded = shard_work(stream, job.plan, output, rank, world, settings, lambda: False)
     write_shards(hooked(target, job.layout), Captured(job.layout.target, job.layout.aux_layers), job.plan.shards,
-                 items, writer, lambda tokens: print(f"{PROGRESS_TAG}{tokens}", flush=True), uploaded, job.layout.dtype)
-    print(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}), flush=True)
+                 items, writer, lambda tokens: emit(f"{PROGRESS_TAG}{tokens}"), uploaded, job.layout.dtype)
+    emit(FILES_TAG + json.dumps({name: e.model_dump() for name, e in writer.files.items()}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from eyas.features import FeatureReader, Sample
 from eyas.layout import Layout
 from eyas.methods import get_method
 from eyas.objective import objective
+from eyas.ranks import emit
 from eyas.settings import Settings, get_settings
 from eyas.store import Artifact, open_artifact
 from eyas.streaming import FeatureStream
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         reader, layout = open_features(spec, settings)
 
         def report(step: int, total: int, metrics: dict[str, Any]) -> None:
-            print(PROGRESS_TAG + json.dumps({"step": step, "total": total, "metrics": metrics}), flush=True)
+            emit(PROGRESS_TAG + json.dumps({"step": step, "total": total, "metrics": metrics}))
 
         train(spec, layout, reader, open_artifact(args.output, settings), report, settings)
     finally:
