@@ -20,7 +20,7 @@ run: .venv/.installed
 lint: .venv/.installed
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
-	.venv/bin/vulture eyas services orchestration tests vulture_allow.py --min-confidence 60
+	.venv/bin/vulture eyas services orchestration tests bench vulture_allow.py --min-confidence 60
 	.venv/bin/mypy
 
 test: .venv/.installed
