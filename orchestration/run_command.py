@@ -380,16 +380,13 @@ class _Pipeline:
     def _write_summary(self, finished: bool, drafters: list, report: Any, choice: dict | None) -> None:
         """What the terminal shows, as data: `run.json` in the workdir (the plan, the re-plans, each job, the
         exports, the report's figures and the method comparison), for scripts and tests to read."""
-        from orchestration.run_clock import took
 
         clock = self.clock
         summary = {
             "finished": finished, "minutes": self.args.minutes, "elapsed_s": clock.elapsed(),
             "rates": dataclasses.asdict(clock.rates), "plan": dataclasses.asdict(clock.plan),
             "replans": clock.replans,
-            "jobs": [{"stage": j.stage, "state": j.state, "planned_s": clock.plan.seconds.get(j.stage),
-                      "replanned_s": clock.replanned.get(j.stage), "took_s": took(j), "error": j.error,
-                      "output": j.artifacts.get("output"), "metrics": j.metrics} for j in self.jobs],
+            "jobs": self._job_rows(),
             "exports": {t.spec.get("method", DEFAULT_METHOD): {k: v for k, v in t.artifacts.items() if k != "output"}
                         for t in drafters},
             "report": None if report is None else {"metrics": report.metrics, "artifacts": report.artifacts},
@@ -399,18 +396,22 @@ class _Pipeline:
         path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
         print(f"summary: {path}")
 
-    def _summary(self) -> None:
+    def _job_rows(self) -> list[dict[str, Any]]:
         """Each job's state and seconds beside the plan's and the last re-plan's (each job is created when the one
         before it ends, a streamed train job when extraction starts, and last updated when it ends)."""
         from orchestration.run_clock import took
 
-        planned, replanned = self.clock.plan.seconds, self.clock.replanned
+        return [{"stage": j.stage, "state": j.state, "planned_s": self.clock.plan.seconds.get(j.stage),
+                 "replanned_s": self.clock.replanned.get(j.stage), "took_s": took(j), "error": j.error,
+                 "output": j.artifacts.get("output"), "metrics": j.metrics} for j in self.jobs]
+
+    def _summary(self) -> None:
+        """The jobs' table (_job_rows) as the terminal shows it."""
         print(f"  {'stage':<9} {'state':<10} {'planned':>8} {'re-planned':>11} {'took':>7}")
-        for job in self.jobs:
-            again = replanned.get(job.stage)
-            print(f"  {job.stage:<9} {job.state:<10} {planned.get(job.stage, 0):7.0f}s "
-                  f"{'—' if again is None else f'{again:.0f}s':>11} {took(job):6.0f}s  "
-                  f"{job.artifacts.get('output', '')}")
+        for row in self._job_rows():
+            again = row["replanned_s"]
+            print(f"  {row['stage']:<9} {row['state']:<10} {row['planned_s'] or 0:7.0f}s "
+                  f"{'—' if again is None else f'{again:.0f}s':>11} {row['took_s']:6.0f}s  {row['output'] or ''}")
 
 
 def _method_choice(report) -> dict:
