@@ -96,10 +96,9 @@ def score_80(drafters: list[str], k: int = 3) -> list[float]:
     evaluator's own functions and defaults: the target's greedy outputs are computed once (they are the same for
     every drafter), then each drafter's run lengths over them."""
     sys.path.insert(0, str(ROOT))
-    from eyas.exports import load_drafter
     from eyas.layout import Layout
     from eyas.manifest import read_manifest
-    from eyas.methods import method_of
+    from eyas.methods import load_drafter, method_of
     from eyas.store import open_artifact
     from eyas.target import BUNDLED, load_target
     from services.evaluator.chains import drafted_ks, replay, run_lengths

@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eyas.exports import load_drafter  # noqa: E402
 from eyas.features import FeatureReader  # noqa: E402
 from eyas.manifest import read_manifest  # noqa: E402
+from eyas.methods import load_drafter  # noqa: E402
 from eyas.store import open_artifact  # noqa: E402
 from eyas.target import BUNDLED, load_target  # noqa: E402
 from orchestration.embedded import EmbeddedRunner, command_line_settings  # noqa: E402

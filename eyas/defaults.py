@@ -7,6 +7,7 @@ from typing import Literal
 BUNDLED = "bundled:smollm2-135m-instruct"  # the bundled target's name (eyas.target resolves it)
 DTypeName = Literal["auto", "float32", "bfloat16"]  # a compute dtype as a spec names it (eyas.device)
 DEFAULT_CACHE_GB = 64.0  # a features reader's local cache (eyas.streaming)
+EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"  # an EAGLE-3 export's two formats (eyas.exports)
 NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's optional norms, as config.json names them
 
 

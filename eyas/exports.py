@@ -1,5 +1,5 @@
-"""A trained drafter's exports, each a directory with config.json + model.safetensors, and THE loader that reads
-one back into a Drafter. The drafter artifact (drafters/{id}/) holds:
+"""A trained drafter's exports, each a directory with config.json + model.safetensors, and the EAGLE-3 reader that
+THE loader (eyas.methods.load_drafter) calls for them. The drafter artifact (drafters/{id}/) holds:
 
   eagle/        the EAGLE/SpecForge layout vLLM and SGLang load (docs/eagle3.md §2.1, §2.2):
                 fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t int64 [Vd], t2d bool [V] (both omitted
@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
+from eyas.defaults import EAGLE_DIR, SPECULATORS_DIR
 from eyas.drafter import NORM_FLAGS, Drafter, DrafterConfig
 from eyas.layout import Layout, LayoutMismatch, check_serving
-from eyas.methods import method_of_export
-from eyas.methods.eagle3 import EAGLE_DIR, SPECULATORS_DIR, Eagle3
 from eyas.target import hub_id
+
+if TYPE_CHECKING:
+    from eyas.methods.eagle3 import Eagle3
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 HISTORY = "history.json"
@@ -222,25 +224,6 @@ def export_drafter(cfg: DrafterConfig, weights: dict[str, torch.Tensor], layout:
         save_file(saved, str(out / sub / WEIGHTS), metadata={"format": "pt"})
         written += [Path(sub) / CONFIG, Path(sub) / WEIGHTS]
     return written, unsupported
-
-
-def load_drafter(path: Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 overrides: dict[str, Any] | None = None, missing_vocab_map: bool = False,
-                 lm_head_weight: torch.Tensor | None = None) -> tuple[Any, dict]:
-    """THE checkpoint loader: an export directory (config.json + model.safetensors: the EAGLE layout or speculators
-    format, or another method's own) → (the drafter of the method its config names (eyas.methods.method_of_export),
-    in eval mode, in `dtype`, on the device of `embed_weight`; its config.json).
-
-    `embed_weight` is the target's input embedding [V, H]; the drafter always uses it (docs/eagle3.md §2.1).
-    `overrides` replace config fields (e.g. a norm flag the weights show but the config lacks); with
-    `missing_vocab_map`, a checkpoint without d2t/t2d loads with the identity mapping an engine falls back to (the
-    diagnosis of such a drafter), where it is otherwise refused. A method that drafts with the target's lm_head
-    (DFlash) needs `lm_head_weight` [V, H].
-    """
-    cfg_json = json.loads((Path(path) / CONFIG).read_text())
-    drafter = method_of_export(cfg_json).load(path, cfg_json, embed_weight, dtype, overrides, missing_vocab_map,
-                                              lm_head_weight)
-    return drafter, cfg_json
 
 
 def load_eagle(path: Path, cfg_json: dict[str, Any], embed_weight: torch.Tensor, dtype: torch.dtype,

@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator
 
 from eyas.confine import redact
-from eyas.methods import DEFAULT_METHOD
 from eyas.store import Artifact
 
 MANIFEST = "manifest.json"
@@ -66,7 +65,9 @@ class DrafterFacts(BaseModel):
     ttt_steps: int  # draft positions trained (the evaluator measures at least these)
     val_every: int  # sample i of the features is validation iff i % val_every == 0 (eyas.features.is_validation)
     draft_vocab_size: int
-    method: str = DEFAULT_METHOD  # its drafting method's name (eyas.methods): how it is loaded and served
+    # its drafting method's name: how it is loaded and served (eyas.methods.method_of reads it; none, as in
+    # manifests written before there were methods: the default method)
+    method: str | None = None
     # the chat template's kwargs its data was rendered with: the evaluator renders prompts with them, and the
     # server must too (the report says so)
     chat_template_kwargs: dict[str, Any] = {}

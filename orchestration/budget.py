@@ -16,15 +16,18 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from eyas.features import shard_bytes, token_bytes
 from eyas.layout import BF16
-from orchestration.run_command import FeaturesPolicy
 from services.evaluator.spec import Spec as EvalSpec
 from services.evaluator.steptime import STEP_TIMES_S
 from services.trainer.data import total_steps
 from services.trainer.spec import CPU_PRESET
 from services.trainer.spec import Spec as TrainSpec
+
+if TYPE_CHECKING:
+    from orchestration.run_command import FeaturesPolicy
 
 # What one prompt costs in tokens on the bundled target (SmolLM2-135M-Instruct, synthesized prompts), measured
 # from `eyas run` job records: bench/README.md § Planner costs.
@@ -138,7 +141,7 @@ def features_policy(asked: str, planned_gb: float, cap_gb: float) -> tuple[Featu
     store's cap, else recomputes them every epoch while training (the store then holds at most the cap)."""
     sizes = f"planned features {planned_gb:.2f} GB, store cap {cap_gb:.2f} GB"
     if asked != "auto":
-        return typing.cast(FeaturesPolicy, asked), f"asked for ({sizes})"
+        return typing.cast("FeaturesPolicy", asked), f"asked for ({sizes})"
     if planned_gb <= cap_gb:
         return "cache", f"the features fit the store ({sizes})"
     return "recompute", f"the features do not fit the store ({sizes})"

@@ -14,9 +14,9 @@ import eyas.device
 from eyas.capture import capture
 from eyas.device import Placement, compute_device, compute_dtype, placement
 from eyas.drafter import Drafter
-from eyas.exports import export_drafter, load_drafter
+from eyas.exports import export_drafter
 from eyas.manifest import read_manifest
-from eyas.methods import get_method
+from eyas.methods import get_method, load_drafter
 from eyas.methods.eagle3 import drafter_config
 from eyas.settings import Settings
 from eyas.store import open_artifact

@@ -24,9 +24,8 @@ from eyas.dflash import (
     pick_mask_token,
     sample_anchors,
 )
-from eyas.exports import load_drafter
 from eyas.layout import default_aux_layers
-from eyas.methods import method_of_export
+from eyas.methods import load_drafter, method_of_export
 from eyas.target import BUNDLED, load_target_head, load_tokenizer, resolve_target
 
 BLOCK, LAYERS, T = 4, 2, 40

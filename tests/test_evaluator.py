@@ -11,9 +11,9 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from eyas.exports import load_drafter
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, Manifest, read_manifest
+from eyas.methods import load_drafter
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target

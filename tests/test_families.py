@@ -26,10 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from eyas.datasets import read_conversations
 from eyas.drafter import TTTCache
-from eyas.exports import load_drafter
 from eyas.features import FeatureReader
 from eyas.layout import Layout
 from eyas.manifest import read_manifest
+from eyas.methods import load_drafter
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import load_target

@@ -18,10 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.defaults import SPECULATORS_DIR
 from eyas.drafter import Drafter, DrafterConfig
-from eyas.exports import SPECULATORS_DIR, export_drafter, load_drafter, speculators_verifier
+from eyas.exports import export_drafter, speculators_verifier
 from eyas.layout import Layout, default_aux_layers
-from eyas.methods import get_method
+from eyas.methods import get_method, load_drafter
 from eyas.target import BUNDLED, BUNDLED_HUB_ID
 from services.trainer.spec import Spec
 from tests.servers import REPO, VLLM_PYTHON

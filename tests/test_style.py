@@ -48,3 +48,25 @@ def test_no_module_defines_a_function_or_class_twice():
                      if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
             twice += [f"{path.relative_to(ROOT).as_posix()}:{n}" for n in sorted(set(names)) if names.count(n) > 1]
     assert not twice, twice
+
+
+def _import_cycles() -> list[list[str]]:
+    """Every import cycle among the service code's modules at run time (imports inside functions count; those under
+    `if TYPE_CHECKING:` do not), each as the chain of modules that closes it."""
+    import grimp
+
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+    cycles, seen = [], set()
+    for module in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            back = graph.find_shortest_chain(importer=imported, imported=module)
+            if back and frozenset(back) not in seen:
+                seen.add(frozenset(back))
+                cycles.append([module, *back])
+    return cycles
+
+
+def test_no_import_cycle():
+    """Modules import each other in one direction (issue #43: the methods registry, the exports and the manifest
+    imported each other, and a module in such a circle cannot be read, or imported first, on its own)."""
+    assert not _import_cycles(), f"import cycles (move what both sides need below them): {_import_cycles()}"

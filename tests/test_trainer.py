@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from eyas.batching import collate, collate_rows, eval_plan
 from eyas.drafter import NORM_FLAGS, Drafter, TTTCache
-from eyas.exports import eagle_config, export_drafter, load_drafter, speculators_config, unsupported_engines
+from eyas.exports import eagle_config, export_drafter, speculators_config, unsupported_engines
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout, LayoutMismatch
 from eyas.manifest import ArtifactWriter, DatasetFacts, Manifest, read_manifest, sha256_file
-from eyas.methods import get_method
+from eyas.methods import get_method, load_drafter
 from eyas.methods.eagle3 import drafter_config
 from eyas.settings import Settings
 from eyas.stage import StageContext

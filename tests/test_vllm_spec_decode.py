@@ -26,10 +26,9 @@ import shlex
 import httpx
 import pytest
 
-from eyas.exports import load_drafter
 from eyas.layout import Layout
 from eyas.manifest import read_manifest
-from eyas.methods import get_method
+from eyas.methods import get_method, load_drafter
 from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target

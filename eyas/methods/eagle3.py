@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eyas.defaults import NORM_FLAGS
+from eyas.defaults import EAGLE_DIR, NORM_FLAGS, SPECULATORS_DIR
 from eyas.methods.base import DraftingMethod
 
 if TYPE_CHECKING:
@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from eyas.drafter import Drafter, DrafterConfig
     from eyas.layout import Layout
     from eyas.ttt import TTTResult
-
-EAGLE_DIR, SPECULATORS_DIR = "eagle", "speculators"
 
 
 def drafter_config(target: str, draft_vocab_size: int, layout: Layout, **architecture: bool) -> DrafterConfig:

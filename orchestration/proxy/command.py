@@ -10,7 +10,7 @@ from orchestration.proxy.settings import ProxySettings
 
 
 def add_proxy_commands(sub) -> None:
-    from orchestration.cli import add_spec_arguments
+    from orchestration.spec_flags import add_spec_arguments
 
     p = sub.add_parser("proxy", help="an OpenAI-compatible pass-through that records a sample of served prompts",
                        description=__doc__)
@@ -31,7 +31,7 @@ def _settings(args: argparse.Namespace):
 
 
 def run_proxy_command(args: argparse.Namespace) -> int:
-    from orchestration.cli import spec_from_args
+    from orchestration.spec_flags import spec_from_args
 
     if args.command == "proxy":
         from orchestration.proxy.app import serve_proxy

@@ -34,11 +34,11 @@ from eyas.batching import collate, eval_plan
 from eyas.deadline import Deadline, Pace
 from eyas.device import Placement, placement
 from eyas.drafter import Drafter
-from eyas.exports import HISTORY, load_drafter
+from eyas.exports import HISTORY
 from eyas.features import FeatureReader, is_validation
 from eyas.layout import Layout
 from eyas.manifest import ArtifactWriter, DrafterFacts, Manifest, fetch_verified, read_manifest
-from eyas.methods import DEFAULT_METHOD, EXPORT_DIRS, DraftingMethod, method_of
+from eyas.methods import DEFAULT_METHOD, EXPORT_DIRS, DraftingMethod, load_drafter, method_of
 from eyas.objective import objective
 from eyas.settings import Settings
 from eyas.stage import StageContext, StageResult

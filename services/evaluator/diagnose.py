@@ -45,12 +45,11 @@ from eyas.exports import (
     HISTORY,
     WEIGHTS,
     drafter_name,
-    load_drafter,
     speculators_name,
 )
 from eyas.layout import default_aux_layers
 from eyas.manifest import ArtifactWriter, Manifest, fetch_verified, read_manifest
-from eyas.methods import DraftingMethod, method_of, method_of_export
+from eyas.methods import DraftingMethod, load_drafter, method_of, method_of_export
 from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.target import Target, load_target, resolve_target
