@@ -119,6 +119,7 @@ class S3Store:
         self.bucket = bucket or settings.s3_bucket
         self.endpoint = settings.s3_endpoint
         self.retry_s = settings.s3_retry_s
+        self.retries = 0  # transient failures retried so far (each also logged)
         # No retries inside urllib3: every failure surfaces to _call, which retries the whole operation.
         http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=5, read=120), maxsize=10, retries=False,
                                    cert_reqs="CERT_REQUIRED" if settings.s3_secure else "CERT_NONE",
@@ -136,6 +137,7 @@ class S3Store:
         from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
         def warn(state) -> None:
+            self.retries += 1
             log.warning("S3 %s at %s failed (%s); retrying in %.1f s", what, self.endpoint,
                         state.outcome.exception(), state.next_action.sleep)
 

@@ -119,5 +119,8 @@ def make_plan(records: list[dict], tokenizer, template_kwargs: dict, *, max_leng
     items, counts = render_items(records, tokenizer, template_kwargs, max_length, overlong)
     planned = shards(batches(items, batch_tokens), row, shard_max_bytes)
     counts.update(samples=len(items), tokens=sum(len(i.input_ids) for i in items),
-                  supervised_tokens=sum(sum(i.loss_mask) for i in items), shards=len(planned))
+                  supervised_tokens=sum(sum(i.loss_mask) for i in items), shards=len(planned),
+                  # samples larger than shard_mb on their own: each in a shard of its own, past the bound (warned)
+                  samples_over_shard_mb=sum(shard_file_bytes(len(i.input_ids), 1, row) > shard_max_bytes
+                                            for i in items))
     return Plan(shards=planned, counts=counts)
