@@ -24,10 +24,11 @@ def add_proxy_commands(sub) -> None:
     i.add_argument("--workdir", type=Path, help="embedded store the window goes to (default: ./eyas-work)")
 
 
-def _settings(args: argparse.Namespace):
+def service_settings(workdir: Path | None):
+    """The deployment's settings, with the workdir the command was given (`eyas watch` reads them the same way)."""
     from orchestration.settings import ServiceSettings, get_service_settings
 
-    return ServiceSettings(workdir=args.workdir) if args.workdir else get_service_settings()
+    return ServiceSettings(workdir=workdir) if workdir else get_service_settings()
 
 
 def run_proxy_command(args: argparse.Namespace) -> int:
@@ -37,11 +38,11 @@ def run_proxy_command(args: argparse.Namespace) -> int:
         from orchestration.proxy.app import serve_proxy
 
         proxy = ProxySettings(**spec_from_args(args, skip={"command", "workdir", "verbose"}))
-        serve_proxy(proxy, _settings(args))
+        serve_proxy(proxy, service_settings(args.workdir))
         return 0
     from orchestration.proxy.recorder import Recorder, import_requests, traffic_store
 
-    settings = _settings(args)
+    settings = service_settings(args.workdir)
     recorder = Recorder(traffic_store(settings), ProxySettings())
     with open(args.file, encoding="utf-8") as f:
         key, kept, skipped = import_requests(recorder, f, args.file.name)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.evaluator.specdec import PromptIds
+if TYPE_CHECKING:  # only named in annotations: reading counters (eyas watch) imports no torch
+    from services.evaluator.specdec import PromptIds
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"

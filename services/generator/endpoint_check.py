@@ -24,15 +24,39 @@ class EndpointServesAnotherModel(ValueError):
     pass
 
 
-async def _served_models(client: httpx.AsyncClient, engine: HttpEngine) -> list[str]:
-    """'id (root)' of each model the endpoint lists; [] when it lists none."""
+async def model_cards(client: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
+    """The model cards the endpoint lists at `url`/models (`url` ends in /v1); [] when it lists none."""
     try:
-        resp = await client.get(f"{engine.url}/models")
+        resp = await client.get(f"{url}/models")
         data = resp.json()["data"] if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return []
-    return [f"{m.get('id')} ({m['root']})" if m.get("root") and m["root"] != m.get("id") else str(m.get("id"))
-            for m in data if isinstance(m, dict)]
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
+def card_name(card: dict[str, Any]) -> str:
+    """'id (root)' of a model card, or its id alone when the root says nothing more."""
+    return f"{card.get('id')} ({card['root']})" if card.get("root") and card["root"] != card.get("id") \
+        else str(card.get("id"))
+
+
+async def _served_models(client: httpx.AsyncClient, engine: HttpEngine) -> list[str]:
+    """'id (root)' of each model the endpoint lists; [] when it lists none."""
+    return [card_name(m) for m in await model_cards(client, engine.url)]
+
+
+async def tokenize_probe(client: httpx.AsyncClient, url: str, model: str,
+                         template_kwargs: dict[str, Any]) -> list[int] | None:
+    """The endpoint's tokens for the probe conversation, rendered with its own chat template (`url` ends in /v1);
+    None when it offers no /tokenize."""
+    body: dict[str, Any] = {"model": model, "messages": PROBE, "add_generation_prompt": True}
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
+    try:  # /tokenize lives beside /v1, not under it
+        resp = await client.post(f"{url.removesuffix('/v1')}/tokenize", json=body)
+        return resp.json()["tokens"] if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def check_endpoint(engine: HttpEngine, tokenizer, target: str, template_kwargs: dict[str, Any]) -> dict:
@@ -45,14 +69,7 @@ async def check_endpoint(engine: HttpEngine, tokenizer, target: str, template_kw
 
 async def _check(client: httpx.AsyncClient, engine: HttpEngine, tokenizer, target: str,
                  template_kwargs: dict[str, Any]) -> dict:
-    body: dict[str, Any] = {"model": engine.model, "messages": PROBE, "add_generation_prompt": True}
-    if template_kwargs:
-        body["chat_template_kwargs"] = template_kwargs
-    try:  # /tokenize lives beside /v1, not under it
-        resp = await client.post(f"{engine.url.removesuffix('/v1')}/tokenize", json=body)
-        served = resp.json()["tokens"] if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        served = None
+    served = await tokenize_probe(client, engine.url, engine.model, template_kwargs)
     if served is None:
         models = await _served_models(client, engine)
         listed = f"it lists {', '.join(models)}" if models else "it lists no models"
@@ -61,10 +78,14 @@ async def _check(client: httpx.AsyncClient, engine: HttpEngine, tokenizer, targe
     ours = render_prompt(tokenizer, PROBE, template_kwargs)
     if served != ours:
         models = await _served_models(client, engine) or [engine.model]
-        at = next((i for i, (a, b) in enumerate(zip(served, ours, strict=False)) if a != b),
-                  min(len(served), len(ours)))
+        at = first_difference(served, ours)
         raise EndpointServesAnotherModel(
             f"endpoint {engine.url} serves {', '.join(models)}, not the target {target}: a probe conversation "
             f"renders to {len(served)} tokens there and {len(ours)} with the target's tokenizer and chat template, "
             f"first different at token {at}")
     return {"endpoint_check": "tokenize"}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where two token lists differ (the shorter one's length when one begins the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
