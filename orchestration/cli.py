@@ -6,6 +6,7 @@ the HTTP API and `then` pipelines accept exactly the same fields.
   eyas api --stage S            serve a stage's job API;   eyas worker --stage S   run a stage's Celery worker
   eyas proxy --upstream URL     a pass-through in front of an endpoint that records a sample of its traffic
   eyas traffic import FILE      store a JSONL of chat requests as recorded traffic
+  eyas watch --endpoint URL --drafter URI   the served drafter's acceptance over time; is it still current
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestration.proxy.command import add_proxy_commands
     from orchestration.registry import stage_doc, stage_spec
     from orchestration.run_command import add_run_arguments
+    from orchestration.watch.command import add_watch_command
 
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--concurrency", type=int, default=1,
                            help="pool processes, each running one job at a time (default: %(default)s)")
     add_proxy_commands(sub)
+    add_watch_command(sub)
     return parser
 
 
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestration.proxy.command import run_proxy_command
 
         return run_proxy_command(args)
+    if args.command == "watch":
+        from orchestration.watch.command import run_watch_command
+
+        return run_watch_command(args)
     if args.command == "api":
         from orchestration.api.app import serve_api
 
