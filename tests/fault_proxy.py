@@ -31,19 +31,6 @@ class FaultProxy:
     max_in_flight: int = 0  # at the upstream
     in_flight: int = 0
     completed_at: list[float] = field(default_factory=list)  # monotonic end time of each forwarded completion
-    in_flight_steps: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, in flight from then)
-
-    def mean_in_flight(self, start: float, end: float) -> float:
-        """Completions in flight at the upstream, averaged over [start, end) (monotonic times)."""
-        total, level, at = 0.0, 0, start
-        for t, n in self.in_flight_steps:
-            if t >= end:
-                break
-            if t > at:
-                total += level * (t - at)
-                at = t
-            level = n
-        return (total + level * (end - at)) / (end - start)
 
     def __post_init__(self):
         unknown = set(self.rates) - set(FAULTS)
@@ -104,14 +91,12 @@ class FaultProxy:
                 completion = path.endswith("/completions")
                 self.in_flight += completion
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
-                self.in_flight_steps.append((time.monotonic(), self.in_flight))
                 try:
                     await asyncio.sleep(self.latency_s if completion else 0.0)
                     resp = await self._client.request(method, self.upstream + path, content=body,
                                                       headers={"content-type": headers.get("content-type", "")})
                 finally:
                     self.in_flight -= completion
-                    self.in_flight_steps.append((time.monotonic(), self.in_flight))
                 if completion:
                     self.counts["forwarded"] += 1
                     self.completed_at.append(time.monotonic())

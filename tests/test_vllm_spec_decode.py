@@ -33,9 +33,12 @@ from eyas.settings import Settings
 from eyas.store import open_artifact
 from eyas.target import BUNDLED, bundled_target_dir, load_target
 from orchestration.embedded import EmbeddedRunner
+from orchestration.proxy.recorder import traffic_store
+from orchestration.watch.settings import WatchSettings
+from orchestration.watch.watch import open_watch
 from services.evaluator import alternatives
 from services.evaluator.chains import drafted_ks, replay, run_lengths
-from services.evaluator.live import timed_completions
+from services.evaluator.live import read_counters, timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.servers import VLLM_PYTHON, vllm_server
@@ -109,6 +112,31 @@ def test_evaluate_stage_reports_vllm_acceptance_beside_its_own(trained, served):
     assert vllm["drafts"] == ours["drafts"] > 0
     agree(ours, vllm)
     assert job.metrics["live_acceptance_length"] == vllm["acceptance_length"]
+
+
+def test_the_watch_reads_the_served_acceptance_and_knows_the_target(trained, served, tmp_path):
+    """`eyas watch` on the real engine: two readings of vLLM's /metrics around a few requests give that interval's
+    drafts and τ (vLLM's own counts between the readings), judged against a baseline; the endpoint's model and its
+    /tokenize rendering are the drafter's recorded target's (the bundled target, its tokenizer here)."""
+    emb, drafter, prompt_file = trained
+    prompts = eval_prompts(load_target(BUNDLED).tokenizer, str(prompt_file))[:3]
+    settings = Settings(workdir=tmp_path / "eyas")
+    first = timed_completions(served, prompts, MAX_TOKENS, counters=True)
+    watch = open_watch(WatchSettings(endpoint=served, drafter=drafter, baseline=first["acceptance_length"],
+                                     min_drafts=1, window=1), settings, traffic_store(settings))
+    # the readings after vLLM's counters settle (the last requests' drafts land there with a lag)
+    before = read_counters(served)
+    watch.check()  # the first reading: the engine's totals so far
+    timed_completions(served, prompts, MAX_TOKENS)
+    interval = (read_counters(served) - before).summary()
+    status = watch.check()
+    assert status.drafts == interval["drafts"] > 0
+    assert status.tau == pytest.approx(interval["acceptance_length"])
+    assert status.state == "current", status.sentence  # the same prompts again: the baseline's τ
+    checks = {c.name: c.state for c in status.checks}
+    assert checks["rendering"] == checks["config"] == "same", status.checks  # against the drafter's recorded hashes
+    assert checks["model"] != "changed", status.checks
+    assert watch.series.points()[-1].drafts == status.drafts  # kept in the store
 
 
 def test_one_pass_acceptance_per_k_equals_a_real_k_chain(trained):
