@@ -6,6 +6,7 @@ import argparse
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -71,3 +72,14 @@ def spec_from_args(args: argparse.Namespace, skip: set[str]) -> dict[str, Any]:
             node = node.setdefault(p, {})
         node[leaf] = value
     return spec
+
+
+def add_settings_command(sub, name: str, help_text: str, description: str | None, settings: type[BaseModel],
+                         workdir: str) -> argparse.ArgumentParser:
+    """A command whose flags are a settings model's fields, plus the embedded store's --workdir (what goes there:
+    `workdir`) and -v (`eyas proxy`, `eyas watch`)."""
+    p = sub.add_parser(name, help=help_text, description=description)
+    add_spec_arguments(p, settings)
+    p.add_argument("--workdir", type=Path, help=f"embedded store {workdir} (default: ./eyas-work)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    return p

@@ -10,13 +10,10 @@ from orchestration.proxy.settings import ProxySettings
 
 
 def add_proxy_commands(sub) -> None:
-    from orchestration.spec_flags import add_spec_arguments
+    from orchestration.spec_flags import add_settings_command
 
-    p = sub.add_parser("proxy", help="an OpenAI-compatible pass-through that records a sample of served prompts",
-                       description=__doc__)
-    add_spec_arguments(p, ProxySettings)
-    p.add_argument("--workdir", type=Path, help="embedded store the windows go to (default: ./eyas-work)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    add_settings_command(sub, "proxy", "an OpenAI-compatible pass-through that records a sample of served prompts",
+                         __doc__, ProxySettings, "the windows go to")
     t = sub.add_parser("traffic", help="recorded traffic").add_subparsers(dest="traffic_command", required=True)
     i = t.add_parser("import", help="store a JSONL of chat requests (bodies or OpenAI batch lines) as one window, "
                                     "redacted like recorded traffic")

@@ -9,7 +9,6 @@ import argparse
 import sys
 import time
 from datetime import datetime
-from pathlib import Path
 
 from orchestration.watch.settings import WatchSettings
 
@@ -18,13 +17,10 @@ UNREACHABLE = 4  # the endpoint's counters could not be read
 
 
 def add_watch_command(sub) -> None:
-    from orchestration.spec_flags import add_spec_arguments
+    from orchestration.spec_flags import add_settings_command
 
-    p = sub.add_parser("watch", help="the served drafter's acceptance over time, and whether it is still current",
-                       description=__doc__)
-    add_spec_arguments(p, WatchSettings)
-    p.add_argument("--workdir", type=Path, help="embedded store the series goes to (default: ./eyas-work)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    add_settings_command(sub, "watch", "the served drafter's acceptance over time, and whether it is still current",
+                         __doc__, WatchSettings, "the series goes to")
 
 
 def _check_line(watch) -> tuple[str, int]:
