@@ -169,7 +169,7 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
                           "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
     runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
-    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 6, "k": K, "max_new_tokens": 32,
+    [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 4, "k": K, "max_new_tokens": 32,
                                         "endpoint": vllm_url, "second_prompts": None})
     assert job.state == "succeeded", job.error
     serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
