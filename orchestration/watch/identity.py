@@ -23,6 +23,7 @@ import httpx
 
 from eyas.layout import Layout
 from orchestration.watch.status import CHANGED, NOT_CHECKED, SAME, Check
+from services.evaluator.live import auth_headers
 from services.generator.endpoint_check import PROBE, card_name, first_difference, model_cards, tokenize_probe
 
 
@@ -68,10 +69,9 @@ async def _read(client: httpx.AsyncClient, v1: str, template_kwargs: dict[str, A
 def read_served(endpoint: str, template_kwargs: dict[str, Any], api_key: str | None = None) -> Served:
     """One reading of the endpoint's target identity (`endpoint` is its base URL, with or without /v1)."""
     v1 = endpoint.rstrip("/").removesuffix("/v1") + "/v1"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def read() -> Served:
-        async with httpx.AsyncClient(headers=headers, timeout=30.0) as client:
+        async with httpx.AsyncClient(headers=auth_headers(api_key), timeout=30.0) as client:
             return await _read(client, v1, template_kwargs)
 
     served = asyncio.run(read())

@@ -60,17 +60,18 @@ def parse_counters(text: str) -> SpecCounters:
     return SpecCounters(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED], per_pos)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header for an endpoint that wants a key (none without one)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def read_counters(url: str, settle_s: float = 0.5, timeout_s: float = 15.0, api_key: str | None = None) -> SpecCounters:
     """Counters once they stop moving: vLLM records a step's stats just after it returns the step's output."""
     deadline = time.monotonic() + timeout_s
-    last = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=_headers(api_key)).text)
+    last = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=auth_headers(api_key)).text)
     while time.monotonic() < deadline:
         time.sleep(settle_s)
-        now = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=_headers(api_key)).text)
+        now = parse_counters(httpx.get(f"{url}/metrics", timeout=10, headers=auth_headers(api_key)).text)
         if now == last:
             return now
         last = now
@@ -78,13 +79,14 @@ def read_counters(url: str, settle_s: float = 0.5, timeout_s: float = 15.0, api_
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
-    return httpx.get(f"{url}/v1/models", timeout=10, headers=_headers(api_key)).json()["data"][0]["id"]
+    return httpx.get(f"{url}/v1/models", timeout=10, headers=auth_headers(api_key)).json()["data"][0]["id"]
 
 
 async def _run(url: str, model: str, prompts: list[PromptIds], max_tokens: int, concurrency: int,
                api_key: str | None) -> list[list[int]]:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0 + max_tokens * 2.0), headers=_headers(api_key)) as client:
+    timeout = httpx.Timeout(30.0 + max_tokens * 2.0)
+    async with httpx.AsyncClient(timeout=timeout, headers=auth_headers(api_key)) as client:
         async def one(p: PromptIds) -> list[int]:
             async with sem:
                 r = await client.post(f"{url}/v1/completions", json={

@@ -30,7 +30,7 @@ import torch
 
 from eyas.methods import method_of_drafter
 from eyas.target import Target
-from services.evaluator.live import _headers, served_model
+from services.evaluator.live import auth_headers, served_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
@@ -71,7 +71,7 @@ def _window(runs: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
 async def _streams(url: str, model: str, prompts: list[list[int]], steps: int,
                    api_key: str | None) -> list[list[tuple[float, int]]]:
     """One greedy streaming request per prompt, all at once, each decoding `steps` tokens (ignore_eos)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0 + steps * 10.0), headers=_headers(api_key),
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0 + steps * 10.0), headers=auth_headers(api_key),
                                  limits=httpx.Limits(max_connections=len(prompts))) as client:
         return await asyncio.gather(*(_stream_one(client, url, {
             "model": model, "prompt": p, "max_tokens": steps, "temperature": 0.0, "ignore_eos": True, "stream": True,
