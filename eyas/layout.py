@@ -105,6 +105,10 @@ class Layout:
     # which rule chose aux_layers (ENGINE_DEFAULT, HYBRID_FULL_ATTENTION, REQUESTED): a record of why, not part of
     # what the tensors mean (aux_layers is), so neither check_layout nor equality compares it
     aux_rule: str = field(default=ENGINE_DEFAULT, compare=False)
+    # the arithmetic the target ran when the states were captured (eyas.target.precision: dtype and quantization;
+    # "" where not recorded): the same network at another precision feeds a drafter other states, which the wiring
+    # check warns of but does not refuse, so neither check_layout nor equality compares it
+    precision: str = field(default="", compare=False)
     layout_version: int = LAYOUT_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -124,13 +124,62 @@ class Target:
     def tokenizer_hash(self) -> str:
         return tokenizer_hash(self.tokenizer)
 
+    @property
+    def precision(self) -> str:
+        """The arithmetic this loaded target runs: its checkpoint's quantization and the dtype it computes in."""
+        config = json.loads((self.path / "config.json").read_text())
+        return precision(config, str(self.model.dtype).removeprefix("torch."))
+
+
+# Fields that say how a network was saved or how it computes, not what it is. The quantization config is one: a
+# drafter trained on one precision's states is valid for the same network at another (Layout.precision records
+# the one it was captured at, and the wiring check warns when they differ).
+_NOT_THE_NETWORK = ("torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
+                    "quantization_config", "compression_config")
+
 
 def config_hash(path: Path) -> str:
     cfg = json.loads((path / "config.json").read_text())
-    # Fields that describe the network, not how it was saved.
-    for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache"):
+    for k in _NOT_THE_NETWORK:
         cfg.pop(k, None)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _quant_args(args: dict[str, Any] | None) -> str:
+    """One compressed-tensors QuantizationArgs as words: "int8 channel", "float8 token dynamic", "int4 group 32"."""
+    if not args:
+        return "float"
+    strategy = str(args.get("strategy") or "tensor")
+    words = [f"{args.get('type', 'int')}{args.get('num_bits', '?')}",
+             f"group {args.get('group_size')}" if strategy == "group" else strategy]
+    words += [w for w, on in (("dynamic", args.get("dynamic")), ("asymmetric", args.get("symmetric") is False))
+              if on]
+    return " ".join(words)
+
+
+def quantization(config: dict[str, Any]) -> str | None:
+    """The checkpoint's quantization from its config.json's quantization_config, in words (None: not quantized):
+    "compressed-tensors weights int8 channel, activations int8 token dynamic", "gptq 4-bit group 32", …"""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "unknown")
+    groups = qc.get("config_groups") or {}
+    if groups:  # compressed-tensors: one scheme per group of modules
+        schemes = sorted({f"weights {_quant_args(g.get('weights'))}, activations "
+                          f"{_quant_args(g.get('input_activations'))}" for g in groups.values()})
+        return f"{method} {'; '.join(schemes)}"
+    bits = qc.get("bits") or qc.get("w_bit")
+    group = qc.get("group_size") or qc.get("q_group_size")
+    return " ".join(str(w) for w in (method, f"{bits}-bit" if bits else None,
+                                     f"group {group}" if group else None) if w)
+
+
+def precision(config: dict[str, Any], dtype: str) -> str:
+    """What a target computes at: its dtype, and its quantization where the checkpoint has one ("bfloat16";
+    "compressed-tensors weights int8 channel, activations int8 token dynamic, in bfloat16")."""
+    quant = quantization(config)
+    return f"{quant}, in {dtype}" if quant else dtype
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -60,3 +60,24 @@ def test_checkpoint_stores_the_quantized_weights(target, tmp_path, fmt):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == {"gptq": "gptq", "awq": "awq"}.get(fmt, "compressed-tensors")
     assert "lm_head.weight" in tensors and tensors["lm_head.weight"].is_floating_point()
+
+
+WORDS = {"w8a8-int8": "compressed-tensors weights int8 channel, activations int8 token dynamic",
+         "w8a8-int8-asym": "compressed-tensors weights int8 channel, activations int8 token dynamic asymmetric",
+         "w8a8-int8-static": "compressed-tensors weights int8 channel, activations int8 tensor",
+         "w8a8-fp8": "compressed-tensors weights float8 channel, activations float8 token dynamic",
+         "w8a8-fp8-static": "compressed-tensors weights float8 tensor, activations float8 tensor",
+         "w4a16": "compressed-tensors weights int4 group 32, activations float",
+         "gptq": "gptq 4-bit group 32", "awq": "awq 4-bit group 32"}
+
+
+def test_precision_names_each_format_and_the_config_hash_ignores_it(target, tmp_path):
+    """The layout's precision words for every format; the quantized copy is the same network (config hash)."""
+    from eyas.target import config_hash, precision
+
+    assert precision(json.loads((target / "config.json").read_text()), "float32") == "float32"
+    for fmt in FORMATS:
+        out = quantize_target(target, tmp_path / fmt, fmt)
+        config = json.loads((out / "config.json").read_text())
+        assert precision(config, "bfloat16") == f"{WORDS[fmt]}, in bfloat16", fmt
+        assert config_hash(out) == config_hash(target), fmt

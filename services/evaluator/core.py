@@ -262,6 +262,8 @@ def _wiring(spec: Spec, subject: Subject) -> dict:
     wiring = check_wiring(subject.layout, subject.local, subject.target,
                           tuple(e for e in spec.engines if e not in unsupported))
     wiring["unsupported"] = {e: why for e, why in unsupported.items() if e in spec.engines}
+    if (wiring.get("precision") or {}).get("warning"):
+        log.warning("precision: %s", wiring["precision"]["warning"])
     return wiring
 
 

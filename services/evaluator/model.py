@@ -98,12 +98,20 @@ class PromptSet(_Model):
     turn: str
 
 
+class Precision(_Model):
+    """The arithmetic the drafter's states were captured at against this target's (dtype and quantization)."""
+    trained: str | None = Field(description="the captured states' precision (null: not recorded)")
+    target: str = Field(description="what the target evaluated here computes at")
+    warning: str | None = Field(None, description="set when the two differ: acceptance may not carry over")
+
+
 class Wiring(_Model):
     """What each engine concatenates and feeds the drafter (services.evaluator.wiring)."""
     trained: list[str] = Field(description="the layers trained on, as out(i) / embed")
     served: dict[str, list[str]] = Field(description="engine:export → the layers that engine serves")
     ok: bool
     unsupported: dict[str, str] = Field(description="engine → why it cannot serve this drafter")
+    precision: Precision | None = None
 
 
 class TokenLogit(_Model):

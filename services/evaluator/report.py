@@ -421,8 +421,11 @@ def _live_rows(live: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def render_html(report: dict[str, Any], images: list[str]) -> str:
     wiring = report.get("wiring") or {}
+    precision = wiring.get("precision") or {}
     wiring_rows = [("trained on", wiring.get("trained"))] + [
-        (f"{name} serves", served) for name, served in (wiring.get("served") or {}).items()]
+        (f"{name} serves", served) for name, served in (wiring.get("served") or {}).items()] + [
+        (f"precision {what}", precision[key]) for what, key in (
+            ("captured at", "trained"), ("of this target", "target"), ("warning", "warning")) if precision.get(key)]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>Eyas evaluation report</title>",
         "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse;"

@@ -8,6 +8,7 @@ What is checked (docs/eagle3.md §3, §7):
   capture    vLLM (eagle/ and speculators/ configs) and SGLang (eagle/ config) capture the trained layers, in the
              trained order (eyas.layout.check_serving: wrong layers, wrong order, off-by-one, embedding)
   residual   the engine's view has norm_before_residual false (vLLM defaults it to TRUE for speculators configs)
+  precision  the target's dtype and quantization against the ones the states were captured at (a warning only)
 `recorded_contradictions` reads one export's files alone (what it records against what an engine reads from it), for
 exports that come without the drafter's manifest (eyas diagnose).
 """
@@ -135,15 +136,32 @@ def check_export_wiring(layout: Layout, export: Path, engine: str) -> list[int]:
     return served
 
 
+def precision_check(layout: Layout, target: Target) -> dict[str, Any]:
+    """The precision the drafter's states were captured at against the one `target` runs at: the same network in
+    another dtype or quantization feeds the drafter other states (a drafter trained on bf16 states accepts less
+    on an FP8 or INT4 build), so a difference is a warning with both named, not a refusal."""
+    here = target.precision
+    out: dict[str, Any] = {"trained": layout.precision or None, "target": here}
+    if layout.precision and layout.precision != here:
+        out["warning"] = (f"the drafter was trained on states captured at {layout.precision}; this target runs at "
+                          f"{here}: its acceptance here may differ from the served one — train on states "
+                          f"captured from the target as it is served (eyas extract --engine vllm on that build)")
+    return out
+
+
 def check_wiring(layout: Layout, drafter_dir: Path, target: Target | None = None,
                  engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
-    """Every export × engine that loads it; raises WiringMismatch on the first that would be mis-wired."""
+    """Every export × engine that loads it; raises WiringMismatch on the first that would be mis-wired. With a
+    target: it must be the trained one, and its precision is compared with the trained one (a warning)."""
+    precision = None
     if target is not None:
         check_target(layout, target)
+        precision = precision_check(layout, target)
     served: dict[str, Any] = {}
     for engine, name in SERVED:  # every export each engine loads, of any method (SGLang: the EAGLE layout only)
         if engine in engines and (drafter_dir / name / "config.json").is_file():
             served[f"{engine}:{name}"] = describe(check_export_wiring(layout, drafter_dir / name, engine))
     if not served:
         raise WiringMismatch(f"{drafter_dir}: no {', '.join(f'{d}/' for d in EXPORT_DIRS)} export to check")
-    return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True}
+    return {"trained": describe(list(layout.aux_layers)), "served": served, "ok": True,
+            **({"precision": precision} if precision else {})}

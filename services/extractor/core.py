@@ -12,6 +12,7 @@ a larger target is spread over all GPUs and extracted by one process.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ from eyas.target import (
     device_map,
     load_target,
     load_tokenizer,
+    precision,
     resolve_target,
     tokenizer_hash,
     weight_bytes,
@@ -65,20 +67,25 @@ FILES_TAG = "EYAS-EXTRACT-FILES "  # + JSON {shard name: its manifest entry}, on
 
 
 def layout_for(target: Target, aux_layers: list[int] | None) -> Layout:
-    return target_layout(target.name, target.tokenizer, aux_layers)
+    """The layout of states captured from this loaded target (at its precision)."""
+    return dataclasses.replace(target_layout(target.name, target.tokenizer, aux_layers), precision=target.precision)
 
 
-def target_layout(name: str, tokenizer, aux_layers: list[int] | None, dtype: str = BF16) -> Layout:
+def target_layout(name: str, tokenizer, aux_layers: list[int] | None, dtype: str = BF16,
+                  compute_dtype: str | None = None) -> Layout:
     """The features' layout for target `name`, from its config and tokenizer (no weights loaded), stored in
-    `dtype` (eyas.layout.FEATURE_DTYPES)."""
+    `dtype` (eyas.layout.FEATURE_DTYPES), captured with the target computing in `compute_dtype` (its precision:
+    that and the checkpoint's quantization; None: not recorded)."""
     from transformers import AutoConfig
 
     path = resolve_target(name)
     config = AutoConfig.from_pretrained(path)
     aux, rule = aux_layers_for(config.num_hidden_layers, getattr(config, "layer_types", None), aux_layers)
+    raw = json.loads((path / "config.json").read_text())
     return Layout(target=name, target_config_hash=config_hash(path), tokenizer_hash=tokenizer_hash(tokenizer),
                   num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype, aux_rule=rule)
+                  vocab_size=config.vocab_size, aux_layers=aux, dtype=dtype, aux_rule=rule,
+                  precision=precision(raw, compute_dtype) if compute_dtype else "")
 
 
 @dataclass
@@ -94,7 +101,8 @@ class Job:
 
 def prepare(spec: Spec, settings: Settings) -> Job:
     tokenizer = load_tokenizer(spec.target)
-    layout = target_layout(spec.target, tokenizer, spec.aux_layers, spec.features_dtype)
+    layout = target_layout(spec.target, tokenizer, spec.aux_layers, spec.features_dtype,
+                           placement(settings, spec.dtype).dtype_name)
     records, source = read_conversations(spec.data, settings, expect_tokenizer_hash=layout.tokenizer_hash)
     template_kwargs = source.dataset.chat_template_kwargs if source.dataset else {}
     row = layout_token_bytes(layout)
