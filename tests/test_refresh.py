@@ -18,7 +18,7 @@ from orchestration.embedded import EmbeddedRunner
 from orchestration.proxy.recorder import Recorder, import_requests
 from orchestration.proxy.settings import ProxySettings
 from orchestration.refresh.promotion import Promotions, RollbackError, decide, promoted
-from orchestration.refresh.refresh import refresh, target_change
+from orchestration.refresh.refresh import refresh, target_change, train_spec
 from orchestration.refresh.settings import RefreshSettings
 from orchestration.refresh.traffic import read_recent, split_heldout, weighted_draw
 from orchestration.watch.settings import WatchSettings
@@ -187,3 +187,14 @@ def test_a_drafter_for_another_target_is_not_warm_started(first):
     assert target_change(layout, layout.target) is None
     other = Layout(**{**layout.to_dict(), "target_config_hash": "0" * 16, "aux_layers": layout.aux_layers})
     assert "config hash" in target_change(other, layout.target)
+
+
+def test_a_warm_start_takes_the_drafters_architecture_and_vocabulary():
+    class Drafter:  # a manifest's job spec: a drafter trained off the CPU preset
+        job_spec = {"method": "eagle3", "draft_vocab_size": 8192, "norm_before_fc": True, "lr": 1.0}
+
+    spec = train_spec(RefreshSettings(train={"lr": 0.01}, steps=5), ("file:///d", Drafter()))
+    assert spec["init_from"] == "file:///d" and spec["draft_vocab_size"] == 8192 and spec["norm_before_fc"]
+    assert spec["lr"] == 0.01 and spec["steps"] == 5  # --train and the budget win; the drafter's lr is not taken
+    anew = train_spec(RefreshSettings(), None)
+    assert "init_from" not in anew and anew["draft_vocab_size"] == CPU_PRESET["draft_vocab_size"]

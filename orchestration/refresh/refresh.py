@@ -142,15 +142,25 @@ def _tau(row: dict | None) -> float | None:
     return 1 + sum(row["accepted_per_pos"]) / row["drafts"]
 
 
-def train_spec(rs: RefreshSettings, init_from: str | None) -> dict[str, Any]:
-    """The train job's `then` entry: the trainer's CPU preset, the budget's steps, the warm start, --train."""
+# What a warm-started job takes from the drafter it starts from (its manifest's job spec): the architecture and the
+# draft vocabulary must be the drafter's (services.trainer.warm refuses others), and it drafts as many tokens.
+INHERITED = ("method", "draft_vocab_size", "draft_layers", "norm_before_fc", "fc_norm", "norm_output", "ttt_steps")
+
+
+def train_spec(rs: RefreshSettings, init_from: Any | None) -> dict[str, Any]:
+    """The train job's `then` entry: the trainer's CPU preset, the budget's steps, the warm start from `init_from`
+    (the current drafter's (URI, manifest)) with its architecture, then --train."""
     from services.trainer.spec import CPU_PRESET
 
+    warm = {}
+    if init_from is not None:
+        uri, manifest = init_from
+        warm = {"init_from": uri, **{k: manifest.job_spec[k] for k in INHERITED if k in manifest.job_spec}}
     return {"stage": "train", "target": rs.target, **CPU_PRESET, **({"steps": rs.steps} if rs.steps else {}),
-            **({"init_from": init_from} if init_from else {}), **rs.train}
+            **warm, **rs.train}
 
 
-def train_candidate(run: Refresh, chosen: list[dict], init_from: str | None) -> Any:
+def train_candidate(run: Refresh, chosen: list[dict], init_from: Any | None) -> Any:
     """generate → extract → train on the chosen prompts: the train job."""
     rs = run.rs
     prompts = write_prompts(run.dir / "train.jsonl", chosen)
@@ -177,7 +187,7 @@ def refresh(rs: RefreshSettings, runner: Any, store: ObjectStore, now: float | N
     scored = weighted_draw(pool, [1.0] * len(pool), rs.pool, rs.seed) if len(pool) > rs.prompts else []
     old = None if changed else run.score(current, heldout, scored)
     chosen, draw = run.draw(scored, old and old["pool_tau"], pool)
-    trained = train_candidate(run, chosen, None if changed else current)
+    trained = train_candidate(run, chosen, None if changed else (current, manifest))
     candidate = trained.artifacts["output"]
     new = run.evaluate(candidate, write_prompts(run.dir / "heldout.jsonl", heldout, "h"), len(heldout))
     decision = decide(new["tau"], old["tau"] if old else None)
