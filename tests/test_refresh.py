@@ -20,7 +20,7 @@ from orchestration.proxy.settings import ProxySettings
 from orchestration.refresh.promotion import Promotions, RollbackError, decide, promoted
 from orchestration.refresh.refresh import refresh, target_change, train_spec
 from orchestration.refresh.settings import RefreshSettings
-from orchestration.refresh.traffic import read_recent, split_heldout, weighted_draw
+from orchestration.refresh.traffic import low_acceptance_weight, read_recent, split_heldout, weighted_draw
 from orchestration.watch.settings import WatchSettings
 from orchestration.watch.watch import promotion_level
 from services.evaluator.diagnose import significant
@@ -95,10 +95,12 @@ def test_heldout_is_chosen_by_the_prompt_and_the_draw_leans_to_low_acceptance():
     assert len(held) == 2 and len(rest) == 8
     again, _ = split_heldout(list(reversed(records)), 0.2, 1, 10)
     assert again == held  # the prompts decide, not their order
-    weights = [10.0 if i < 2 else 0.05 for i in range(len(rest))]
+    assert low_acceptance_weight(None) == low_acceptance_weight(1.0) == 4.0
+    assert low_acceptance_weight(1.3) > 2 * low_acceptance_weight(3.0) > 0
+    weights = [low_acceptance_weight(1.0) if i < 2 else low_acceptance_weight(4.0) for i in range(len(rest))]
     drawn = [weighted_draw(rest, weights, 2, seed) for seed in range(20)]
     heavy = sum(r in rest[:2] for d in drawn for r in d)
-    assert heavy >= 30  # of 40 draws, nearly all the two heavy prompts
+    assert heavy >= 24  # of 40 draws (a uniform draw: 10 on average)
 
 
 def _import(emb: EmbeddedRunner, texts: list[str]) -> None:

@@ -119,18 +119,19 @@ class Refresh:
 
     def draw(self, scored: list[dict], taus: list[float | None] | None, pool: list[dict]) -> tuple[list[dict], dict]:
         """The training prompts: all of the pool when the budget covers it; else the budget drawn from the scored
-        prompts weighted toward low acceptance (K + 1 − τ), or uniformly from them where none was scored."""
+        prompts weighted toward low acceptance (traffic.low_acceptance_weight), or uniformly from them where none was
+        scored."""
         rs = self.rs
         if not scored:
             return pool, {"scored": 0, "how": "all of them (the budget covers them)"}
         if taus is None:
             return weighted_draw(scored, [1.0] * len(scored), rs.prompts, rs.seed), {
                 "scored": 0, "how": "uniform (the current drafter drafts for another target)"}
-        chosen = weighted_draw(scored, [low_acceptance_weight(t, rs.k) for t in taus], rs.prompts, rs.seed)
+        chosen = weighted_draw(scored, [low_acceptance_weight(t) for t in taus], rs.prompts, rs.seed)
         ids = {id(r) for r in chosen}
         known = [t for t in taus if t is not None]
         drawn = [t for r, t in zip(scored, taus, strict=True) if id(r) in ids and t is not None]
-        return chosen, {"scored": len(scored), "how": "weighted toward low acceptance (K + 1 − τ)",
+        return chosen, {"scored": len(scored), "how": "weighted toward low acceptance: 1 / (τ − 1 + 0.25)",
                         "pool_mean_tau": sum(known) / len(known) if known else None,
                         "drawn_mean_tau": sum(drawn) / len(drawn) if drawn else None}
 

@@ -64,13 +64,14 @@ def split_heldout(records: list[dict], share: float, least: int, most: int) -> t
     return order[:n], order[n:]
 
 
-def low_acceptance_weight(tau: float | None, k: int) -> float:
-    """A prompt's weight in the draw: the tokens its target pass leaves undrafted (K + 1 − τ), so a prompt the
-    drafter accepts nothing on weighs K, one it accepts everything on a little (never 0: every prompt can be
-    drawn); an unscored prompt (no drafts) weighs the most."""
-    if tau is None:
-        return float(k)
-    return max(k + 1 - tau, 0.05)
+SMOOTH = 0.25  # accepted tokens per draft added before the inverse: a prompt accepting nothing weighs 1 / SMOOTH
+
+
+def low_acceptance_weight(tau: float | None) -> float:
+    """A prompt's weight in the draw: the inverse of the tokens its drafts accept, 1 / (τ − 1 + SMOOTH), so a prompt
+    the drafter accepts nothing on weighs 4, one at τ 1.3 about 1.8, one at τ 3 under 0.5 (never 0: every prompt can
+    be drawn); an unscored prompt (no drafts) weighs as one accepting nothing."""
+    return 1 / ((0.0 if tau is None else max(tau - 1, 0.0)) + SMOOTH)
 
 
 def weighted_draw(records: list[dict], weights: list[float], n: int, seed: int) -> list[dict]:
