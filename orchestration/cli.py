@@ -7,6 +7,7 @@ the HTTP API and `then` pipelines accept exactly the same fields.
   eyas proxy --upstream URL     a pass-through in front of an endpoint that records a sample of its traffic
   eyas traffic import FILE      store a JSONL of chat requests as recorded traffic
   eyas watch --endpoint URL --drafter URI   the served drafter's acceptance over time; is it still current
+  eyas refresh --drafter URI    fine-tune on recent traffic, promote only when better; eyas refresh --rollback
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command's flags, from the stages' specs alone: no stage, torch or transformers is imported here (a
     command imports its stage when it runs)."""
     from orchestration.proxy.command import add_proxy_commands
+    from orchestration.refresh.command import add_refresh_command
     from orchestration.registry import stage_doc, stage_spec
     from orchestration.run_command import add_run_arguments
     from orchestration.watch.command import add_watch_command
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="pool processes, each running one job at a time (default: %(default)s)")
     add_proxy_commands(sub)
     add_watch_command(sub)
+    add_refresh_command(sub)
     return parser
 
 
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestration.watch.command import run_watch_command
 
         return run_watch_command(args)
+    if args.command == "refresh":
+        from orchestration.refresh.command import run_refresh_command
+
+        return run_refresh_command(args)
     if args.command == "api":
         from orchestration.api.app import serve_api
 

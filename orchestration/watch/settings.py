@@ -20,9 +20,10 @@ class WatchSettings(BaseSettings):
     once: bool = Field(False, description="read once, against the last stored reading (or the engine's totals), "
                                           "print the status and exit: 0 current, 1 below threshold or stale target, "
                                           "3 no traffic, 4 endpoint unreachable")
-    baseline: float | None = Field(None, ge=1, description="τ measured at promotion (default: the served τ, else "
-                                                           "the in-process τ, of --report or of the newest report "
-                                                           "on the drafter beside it in the store)")
+    baseline: float | None = Field(None, ge=1, description="τ measured at promotion (default: the τ `eyas refresh` "
+                                                           "recorded when it promoted the drafter, else the served "
+                                                           "τ, else the in-process τ, of --report or of the newest "
+                                                           "report on the drafter beside it in the store)")
     report: str | None = Field(None, description="the evaluator report whose τ is the promotion level")
     min_ratio: float = Field(0.9, gt=0, le=1, description="below this share of the baseline τ the drafter is "
                                                           "below threshold")

@@ -14,6 +14,7 @@ from typing import Any
 from eyas.layout import Layout
 from eyas.manifest import Manifest, read_manifest
 from eyas.store import Artifact, ObjectStore, open_artifact
+from orchestration.refresh.promotion import promoted
 from orchestration.watch.identity import Reference, Served, build_reference, read_served, target_checks
 from orchestration.watch.series import Series, counters_from_dict, counters_to_dict
 from orchestration.watch.settings import WatchSettings
@@ -78,12 +79,16 @@ def newest_report(drafter: Artifact, settings) -> Manifest | None:
     return max(found, key=lambda m: m.created_at) if found else None
 
 
-def promotion_level(ws: WatchSettings, drafter: Artifact, settings) -> Level:
-    """The τ the drafter's acceptance is judged against: --baseline, else the served τ (vLLM's counters in the live
+def promotion_level(ws: WatchSettings, drafter: Artifact, settings, store: ObjectStore | None = None) -> Level:
+    """The τ the drafter's acceptance is judged against: --baseline, else the τ recorded when `eyas refresh`
+    promoted it (its promotion line's current.json in `store`), else the served τ (vLLM's counters in the live
     A/B), else the in-process τ, of --report or of the newest report on the drafter."""
     common: dict[str, Any] = {"min_ratio": ws.min_ratio, "min_tau": ws.min_tau}
     if ws.baseline is not None:
         return Level(ws.baseline, "given", **common)
+    current = promoted(store, drafter.uri) if store is not None and not ws.report else None
+    if current is not None:
+        return Level(current["tau"], f"the τ at its promotion ({current['record']})", k=current.get("k"), **common)
     report = read_manifest(open_artifact(ws.report, settings), "report") if ws.report \
         else newest_report(drafter, settings)
     if report is None:
@@ -101,7 +106,7 @@ def open_watch(ws: WatchSettings, settings, store: ObjectStore) -> Watch:
     if not manifest.layout:
         raise WatchError(f"drafter {ws.drafter}: its manifest records no layout, so its target is not known")
     layout = Layout.from_dict(manifest.layout)
-    level = promotion_level(ws, drafter, settings)
+    level = promotion_level(ws, drafter, settings, store)
     if level.floor is None:
         raise WatchError(f"drafter {ws.drafter}: {level.source}, so there is no level to judge its acceptance "
                          f"against: give --baseline (the τ measured at promotion), --report or --min-tau")

@@ -91,6 +91,10 @@ class Spec(StageSpec):
     resume: names("artifact", exact=("auto", "never")) = Field(
         "auto", description="'auto' (continue this job's own checkpoint if any), "
                         "'never', or the URI of an unfinished trainer job's artifact to continue")
+    init_from: names("artifact") | None = Field(
+        None, description="warm start: a drafter artifact URI (or local directory) whose weights the job starts from, "
+        "with a fresh optimizer and schedule; it must read the features' layout and be of the job's method and "
+        "draft_vocab_size (else refused before training); default: a fresh initialisation")
     processes: int | None = Field(None, ge=1, le=64, description="DDP processes under torchrun (NCCL on GPUs); "
                                   "default: one per visible GPU, 1 on a CPU")
     activation_checkpointing: bool = Field(

@@ -51,6 +51,7 @@ from services.trainer.data import BatchStream, DataPosition, TrainData, plan_fea
 from services.trainer.inputs import open_features, resolve
 from services.trainer.spec import Spec
 from services.trainer.vocab import coverage, select_vocab
+from services.trainer.warm import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def _check_epochs(spec: Spec, data: TrainData, total: int) -> None:
                          f"(extract spec stream.epochs): raise it, or train fewer steps or epochs")
 
 
-def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
+def prepare(spec: Spec, layout: Layout, reader: FeatureReader, settings: Settings | None = None) -> TrainingSetup:
     _check_stream(spec, reader)
     stream = FeatureStream(reader, int(spec.cache_gb * (1 << 30)))
     data = plan_features(stream, spec.val_every, layout.vocab_size)
@@ -162,6 +163,9 @@ def prepare(spec: Spec, layout: Layout, reader: FeatureReader) -> TrainingSetup:
     # a method without a draft vocabulary drafts from the target's whole one (DFlash: with the target's lm_head)
     used = select_vocab(data.counts, spec.draft_vocab_size) if method.draft_vocab else None
     drafter = method.build(spec, target, layout, embed, head, used)
+    if spec.init_from:  # its weights and draft vocabulary replace the fresh ones
+        warm_start(spec, layout, drafter, embed, head, settings or get_settings())
+        used = drafter.t2d.nonzero().flatten() if used is not None and hasattr(drafter, "t2d") else used
     vocab_coverage = coverage(data.counts, used) if used is not None else 1.0
     total = total_steps(data.lengths, spec.batch_tokens, spec.seed, spec.epochs, spec.steps, data.windows(spec.seed),
                         _packs(spec))
@@ -351,7 +355,7 @@ def _open(spec: Spec, layout: Layout, reader: FeatureReader, output: Artifact, s
           device: torch.device) -> _Training:
     """The run on `device`: set up from the spec and the features, resumed where a checkpoint says, its validation
     samples loaded."""
-    setup = prepare(spec, layout, reader)
+    setup = prepare(spec, layout, reader, settings)
     drafter = setup.drafter.to(device)
     names = [n for n, p in drafter.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=spec.lr, betas=BETAS,
