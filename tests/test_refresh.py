@@ -1,4 +1,5 @@
-"""`eyas refresh` (orchestration.refresh) and the trainer's warm start (init_from), embedded, on the bundled target:
+"""`eyas refresh` (orchestration.refresh) and the trainer's warm start (init_from), embedded, on a tiny Llama-3 target
+(tests/families.py: the evaluations' step-time measurements take seconds, where the bundled target's take a minute):
 a small drafter trained on a few prompts is the current one; recorded traffic windows (`eyas traffic import`'s
 writer) feed a refresh that scores, draws, fine-tunes, evaluates both drafters on the same held-out prompts and
 records the decision; the promotion state rolls back in one call; the watch takes its baseline from it."""
@@ -26,6 +27,7 @@ from orchestration.watch.watch import promotion_level
 from services.evaluator.diagnose import significant
 from services.trainer.spec import CPU_PRESET
 from services.trainer.warm import WarmStartMismatch
+from tests.families import FAMILIES, build_target
 
 FIRST = ["Write a short poem about the sea.", "Explain what a binary search is.",
          "Give me three tips for learning a new language.", "Describe how photosynthesis works."]
@@ -49,12 +51,18 @@ def emb(tmp_path_factory) -> EmbeddedRunner:
 
 
 @pytest.fixture(scope="module")
-def first(emb, tmp_path_factory):
+def target(tmp_path_factory) -> str:
+    return str(build_target(FAMILIES["llama3"], tmp_path_factory.mktemp("llama3")))
+
+
+@pytest.fixture(scope="module")
+def first(emb, target, tmp_path_factory):
     """The current drafter (8 steps on 4 prompts) and its features: (drafter URI, features URI)."""
     prompts = _prompt_file(tmp_path_factory.mktemp("p") / "first.jsonl", FIRST)
-    jobs = emb.run_job("generate", {"prompts": prompts, "max_turns": 1,
+    jobs = emb.run_job("generate", {"prompts": prompts, "max_turns": 1, "target": target,
                                     "sampling": {"max_tokens": 32, "temperature": 0.0},
-                                    "then": ["extract", {"stage": "train", **TINY, "steps": 8}]})
+                                    "then": [{"stage": "extract", "target": target},
+                                             {"stage": "train", **TINY, "steps": 8}]})
     assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
     return jobs[-1].artifacts["output"], jobs[-2].artifacts["output"]
 
@@ -110,14 +118,14 @@ def _import(emb: EmbeddedRunner, texts: list[str]) -> None:
     assert kept == len(texts) and key
 
 
-def test_refresh_records_both_taus_and_promotes_by_the_rule(emb, first):
+def test_refresh_records_both_taus_and_promotes_by_the_rule(emb, first, target):
     drafter, _ = first
     _import(emb, TRAFFIC[:6])
     _import(emb, [*TRAFFIC[6:], TRAFFIC[0].upper()])  # a near-duplicate of a first-window prompt
     store = LocalStore(emb.settings.store_root)
     recent = read_recent(store, "traffic", 1.0, __import__("time").time())
     assert len(recent.records) == len(TRAFFIC) and recent.read == len(TRAFFIC) + 1 and len(recent.windows) == 2
-    rs = RefreshSettings(name="t", drafter=drafter, prompts=4, pool=6, heldout_share=0.2, heldout_max=2,
+    rs = RefreshSettings(name="t", drafter=drafter, target=target, prompts=4, pool=6, heldout_share=0.2, heldout_max=2,
                          max_tokens=24, eval_max_tokens=16, steps=4, since_hours=1.0)
     record = refresh(rs, emb, store)
     assert record["change"]["start"] == "warm" and record["current"]["drafter"] == open_artifact(drafter).uri
