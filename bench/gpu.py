@@ -15,6 +15,17 @@ The line (stdout; progress goes to stderr):
             on a side stream, taken by the background writer) and of the same forward without capture, on the
             same batches, and their ratio (the goal on a GPU: ≥ 0.90)
   train     drafter training tokens/s (TTT, bf16 autocast, AdamW) and model FLOPs utilisation (bench/mfu.py)
+  packing   the trainer's packed batches (services.trainer.data.epoch_plan pack=True, the default) against a
+            sample per row on the same samples: the captured rows cut into samples of varied lengths (1/32 to 1/2
+            of the extraction length, log-uniform, the second half of each supervised), the padding fraction of the
+            plan (bench/packing.py's), and training tokens/s (real tokens) over an epoch of each plan, interleaved,
+            the median of a few after an untimed epoch
+  fp8       FP8 features (features_dtype float8_e4m3fn) at the target's width: bytes per token in a shard for
+            bf16 and fp8 (eyas.features.token_bytes); the bytes/s each would hand off (store, stream window,
+            store → trainer) at the capture rates measured here (extract's capture_tok_s, vllm_extract's where
+            it ran): arithmetic from measured rates; and the codec's quantize / dequantize tokens/s (aux and final
+            states of a token) on the device and on the host's CPU threads (where the writer and the trainer's
+            reader run it today)
   specdec   in-process speculative decoding (K drafts per target forward, the trained drafter) vs plain greedy on a
             few prompts: equal, or where not, recorded near ties (eyas evaluator's rule) and mismatches
   vllm_extract   the extract stage's vLLM engine (bench/vllm_capture.py --model, in vLLM's environment, once this
@@ -34,7 +45,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,13 +58,14 @@ from types import SimpleNamespace
 
 import torch
 from mfu import peak_flops, train_flops
+from packing import padding
 
 from eyas.capture import capture
 from eyas.device import placement
 from eyas.dflash import DFlashConfig, DFlashDrafter
 from eyas.drafter import Drafter, DrafterConfig, TTTCache
-from eyas.features import Sample
-from eyas.layout import Layout, default_aux_layers
+from eyas.features import Sample, dequantize, quantize, token_bytes
+from eyas.layout import BF16, FP8, Layout, default_aux_layers
 from eyas.methods.dflash import DFlash
 from eyas.settings import get_settings
 from eyas.target import Target
@@ -79,6 +93,8 @@ TINY = {**LLAMA_31_8B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size
 SIZES = {"full": (4, 2048, 8, 40, 7, 32000, 3, 64, 48), "tiny": (2, 64, 3, 4, 3, 256, 2, 16, 8)}
 K, WARMUP_STEPS = 3, 2
 DRAFT_SIZES = {"full": (16, 1024), "tiny": (2, 16)}  # (sequences, cached context) of the draft_step figure
+PACK_REPEATS = 3  # timed epochs of each plan in the packing figure (interleaved), after one untimed
+CODEC_TOKENS = {"full": 4096, "tiny": 64}  # tokens per quantize / dequantize call of the fp8 figure
 BATCH_SEED = 0  # extraction's random token batches (bench/vllm_capture.py --model draws the same)
 BENCH = Path(__file__).resolve().parent
 
@@ -147,9 +163,9 @@ def extraction(target: Target, layout: Layout, batches: list[torch.Tensor], repe
             "ratio": rate["capture"] / rate["plain"]}, samples
 
 
-def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int, ttt_steps: int,
-             batch_tokens: int) -> tuple[dict, Drafter]:
-    """The trainer's step (TrainingObjective, bf16 autocast, AdamW, clipping) on the captured features."""
+def _trainer(target: Target, samples: list[Sample], draft_vocab: int, ttt_steps: int):
+    """A fresh drafter on the device and the trainer's step over it: (config, drafter, step, target top-1 cache);
+    step(batch) runs one optimizer step (TrainingObjective, bf16 autocast, AdamW, clipping) and returns its result."""
     device = target.input_device
     config = target.model.config
     cfg = DrafterConfig.from_target(config, draft_vocab, num_aux=len(default_aux_layers(config.num_hidden_layers)))
@@ -163,7 +179,24 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
     model = TrainingObjective(drafter, head, ttt_steps)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=BETAS)
-    tops = TargetTopCache(samples.__getitem__, head)
+
+    def step(batch):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            r = model(batch)
+        (r.objective / r.denom.clamp(min=1)).backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return r
+
+    return cfg, drafter, step, TargetTopCache(samples.__getitem__, head)
+
+
+def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int, ttt_steps: int,
+             batch_tokens: int) -> tuple[dict, Drafter]:
+    """The trainer's step (TrainingObjective, bf16 autocast, AdamW, clipping) on the captured features."""
+    device = target.input_device
+    cfg, drafter, step, tops = _trainer(target, samples, draft_vocab, ttt_steps)
     lengths = [s.input_ids.numel() for s in samples]
     plan = [b for epoch in range(1000) for b in epoch_plan(lengths, batch_tokens, 0, epoch)][: WARMUP_STEPS + steps]
     tokens = supervised = 0
@@ -174,12 +207,7 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
             sync(device)
             t0 = time.perf_counter()
         batch = tops.batch(rows, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            r = model(batch)
-        (r.objective / r.denom.clamp(min=1)).backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        r = step(batch)
         if i >= WARMUP_STEPS:
             n, s = batch.num_tokens, int(batch.loss_mask.sum())
             tokens, supervised = tokens + n, supervised + s
@@ -191,6 +219,90 @@ def training(target: Target, samples: list[Sample], draft_vocab: int, steps: int
     return {"tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak if peak else None,
             "tflops": flops / seconds / 1e12, "steps": steps, "ttt_steps": ttt_steps,
             "draft_vocab": cfg.draft_vocab_size, "last_loss": float(r.loss.detach())}, drafter
+
+
+def varied(samples: list[Sample], seed: int = 0) -> list[Sample]:
+    """The captured rows cut into consecutive samples of 1/32 to 1/2 of a row's length, log-uniform (a chat set's
+    long tail; the states of a piece are those its row's forward computed), the second half of each supervised."""
+    rng = random.Random(seed)
+    out = []
+    for s in samples:
+        length = s.input_ids.numel()
+        low, high = max(2, length // 32), length // 2
+        start = 0
+        while length - start >= low:
+            n = min(round(2 ** rng.uniform(math.log2(low), math.log2(high))), length - start)
+            piece = slice(start, start + n)
+            mask = (torch.arange(n) >= n // 2).long()
+            out.append(Sample(s.input_ids[piece], mask, s.aux_hidden[piece], s.final_hidden[piece]))
+            start += n
+    return out
+
+
+def packing(target: Target, samples: list[Sample], draft_vocab: int, ttt_steps: int, batch_tokens: int) -> dict:
+    """The packing figure (module docstring): packed plan against a sample per row, on the same samples."""
+    device = target.input_device
+    _, _, step, tops = _trainer(target, samples, draft_vocab, ttt_steps)
+    lengths = [s.input_ids.numel() for s in samples]
+    plans = {pack: epoch_plan(lengths, batch_tokens, 0, 0, pack) for pack in (False, True)}
+
+    def epoch(plan) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for rows in plan:
+            step(tops.batch(rows, device))
+        sync(device)
+        return sum(lengths) / (time.perf_counter() - t0)
+
+    epoch(plans[False])  # untimed: kernels, allocator, the target top-1 cache
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(PACK_REPEATS):
+        for pack in (False, True):
+            rates[pack].append(epoch(plans[pack]))
+    out: dict = {"samples": len(samples), "tokens": sum(lengths), "batch_tokens": batch_tokens}
+    for pack, name in ((False, "per_row"), (True, "packed")):
+        out[name] = {"padding": padding([plans[pack]], lengths), "steps": len(plans[pack]),
+                     "tokens_per_s": statistics.median(rates[pack]), "epochs_tok_s": rates[pack]}
+    out["speedup"] = out["packed"]["tokens_per_s"] / out["per_row"]["tokens_per_s"]
+    return out
+
+
+def codec(device: torch.device, hidden: int, n_aux: int, tokens: int, repeats: int = 3) -> dict:
+    """Tokens/s of eyas.features' quantize and dequantize (the aux states and the final one of `tokens` tokens,
+    bf16 in and out) on `device`, best of `repeats` after a warm-up."""
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(tokens, n_aux * hidden, generator=g).bfloat16().to(device)
+    final = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
+    best = [float("inf"), float("inf")]
+    for i in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        coded = quantize(aux, n_aux), quantize(final, 1)
+        sync(device)
+        t1 = time.perf_counter()
+        for q, scale in coded:
+            dequantize(q, scale)
+        sync(device)
+        t2 = time.perf_counter()
+        if i:  # the first call warms up
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+    return {"tokens": tokens, "quantize_tok_s": tokens / best[0], "dequantize_tok_s": tokens / best[1]}
+
+
+def fp8_handoff(hidden: int, n_aux: int, rates: dict[str, float], device: torch.device, tokens: int) -> dict:
+    """The fp8 figure (module docstring): bytes per token, bytes/s at each measured capture rate (`rates`: name →
+    tokens/s), the codec's rates on `device` and on the host."""
+    width, states = (n_aux + 1) * hidden, n_aux + 1
+    per_token = {dtype: token_bytes(width, states, dtype) for dtype in (BF16, FP8)}
+    out: dict = {"hidden": hidden, "states": states, "bytes_per_token": per_token,
+                 "ratio": per_token[FP8] / per_token[BF16],
+                 "handoff_bytes_per_s": {name: {dtype: b * rate for dtype, b in per_token.items()}
+                                         for name, rate in rates.items()},
+                 "codec": {"host": {"threads": torch.get_num_threads(),
+                                    **codec(torch.device("cpu"), hidden, n_aux, tokens)}}}
+    if device.type != "cpu":
+        out["codec"]["device"] = codec(device, hidden, n_aux, tokens)
+    return out
 
 
 def _chain(drafter: Drafter, tok, hidden, pos, past, k: int) -> None:
@@ -315,6 +427,11 @@ def main() -> None:
         extract, samples = extraction(target, layout, batches)
         log("training the drafter")
         train, drafter = training(target, samples, draft_vocab, steps, ttt_steps, batch_tokens=rows * length)
+        log("training: packed batches vs a sample per row")
+        packed = packing(target, varied(samples), draft_vocab, ttt_steps, batch_tokens=rows * length)
+        log("fp8 features: the codec's rates")
+        fp8 = fp8_handoff(config.hidden_size, len(layout.aux_layers), {"extract": extract["capture_tok_s"]},
+                          place.device, CODEC_TOKENS["tiny" if args.tiny else "full"])
         log("speculative decoding vs greedy")
         rng = random.Random(0)
         prompts = [PromptIds(f"random-{i}", [rng.randrange(3, config.vocab_size) for _ in range(prompt_len)])
@@ -332,13 +449,16 @@ def main() -> None:
             if place.device.type == "cuda":
                 torch.cuda.empty_cache()
             vllm_extract = vllm_extraction(python, Path(tmp), batches, place.dtype_name, extract)
+    if "capture_tok_s" in vllm_extract:  # the same arithmetic at the vLLM engine's capture rate
+        fp8["handoff_bytes_per_s"]["vllm_extract"] = {dtype: b * vllm_extract["capture_tok_s"]
+                                                      for dtype, b in fp8["bytes_per_token"].items()}
     specdec = {key: decoded[key] for key in ("k", "prompts", "max_new_tokens", "matches_greedy", "greedy_mismatches",
                                              "near_ties", "acceptance_length", "drafts")}
     device_name = torch.cuda.get_device_name(place.device) if place.device.type == "cuda" else "cpu"
     print(json.dumps({
         "device": device_name, "shapes": "tiny" if args.tiny else "llama-3.1-8b", "dtype": place.dtype_name,
-        "target_params": params, "extract": extract, "train": train, "specdec": specdec, "draft_step": drafting,
-        "vllm_extract": vllm_extract,
+        "target_params": params, "extract": extract, "train": train, "packing": packed, "fp8": fp8,
+        "specdec": specdec, "draft_step": drafting, "vllm_extract": vllm_extract,
         "peak_memory_gib": peak, "seconds": time.perf_counter() - t_start,
     }), flush=True)
 

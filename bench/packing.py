@@ -8,7 +8,7 @@ AdamW) over one epoch of each plan, after an untimed epoch that fills the target
 of each, interleaved, the median reported.
 
     .venv/bin/python bench/packing.py [--features URI] [--prompts 48] [--max-tokens 96]
-        [--batch-tokens 512] [--repeats 3]
+        [--batch-tokens 512] [--repeats 3]      # --repeats 0: the plans' padding and steps, no training
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--ttt-steps", type=int, default=CPU_PRESET["ttt_steps"])
     ap.add_argument("--vocab", type=int, default=CPU_PRESET["draft_vocab_size"])
     ap.add_argument("--epochs", type=int, default=3, help="epochs of the plan the padding is counted over")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed epochs of each plan; 0: the padding only")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -94,6 +94,11 @@ def main() -> None:
     plans = {pack: [epoch_plan(lengths, args.batch_tokens, 0, e, pack) for e in range(args.epochs)]
              for pack in (False, True)}
     pad = {pack: padding(p, lengths) for pack, p in plans.items()}
+    steps = {pack: len(p[0]) for pack, p in plans.items()}
+    if args.repeats == 0:  # the plans only
+        for pack, name in ((False, "a sample per row"), (True, "packed")):
+            print(f"{name:22s} padding {pad[pack]:.1%}, {steps[pack]} steps/epoch")
+        return
 
     place = placement(get_settings())
     device, bf16 = place.device, place.dtype == torch.bfloat16
@@ -126,7 +131,6 @@ def main() -> None:
         for pack in (False, True):
             rates[pack].append(epoch(plans[pack][0]))
     tps = {pack: statistics.median(r) for pack, r in rates.items()}
-    steps = {pack: len(p[0]) for pack, p in plans.items()}
     print(f"batch_tokens {args.batch_tokens}, TTT {args.ttt_steps}, Vd {args.vocab}, on {device} "
           f"({'bf16 autocast' if bf16 else 'fp32'}), {torch.get_num_threads()} threads")
     print(f"{'':22s} {'padding':>8s} {'steps/epoch':>12s} {'tokens/s':>10s}")

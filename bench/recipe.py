@@ -12,10 +12,12 @@ spread over prompts (standard error of the mean of per-prompt τ).
         --variant base --variant lr-1e-3:lr=0.001 --variant epochs-6:epochs=6
 
 A variant is NAME or NAME:FIELD=VALUE[,FIELD=VALUE…] over the trainer's CPU preset (services/trainer/spec.py);
-VALUE is JSON. Two fields are not the trainer's: `policy` (first_epoch | recompute) and `store_mb` make the variant
+VALUE is JSON. Three fields are not the trainer's: `policy` (first_epoch | recompute) and `store_mb` make the variant
 extract the features' conversations again, streamed to its train job as `eyas run --features-policy` does
 (orchestration.run_command.hand_off_features), at most `store_mb` of features stored; its row counts the target's
-forward tokens. bench/README.md § Recipes at fixed data has tables it printed.
+forward tokens. `wall_s` gives the train job that many seconds from its start (the trainer's `finish_by`: the steps
+that fit, at most its `epochs`, then the last validation and the export), for variants compared at equal wall time.
+bench/README.md § Recipes at fixed data has tables it printed.
 """
 from __future__ import annotations
 
@@ -120,7 +122,10 @@ def main() -> None:
     rows = []
     for name, fields in variants:
         stream = {k: fields.pop(k) for k in ("policy", "store_mb") if k in fields}
+        wall = fields.pop("wall_s", None)
         spec = {"features": args.features, "target": layout.target or BUNDLED, **CPU_PRESET, **fields}
+        if wall is not None:
+            spec["finish_by"] = time.time() + wall
         t0 = time.monotonic()
         if stream:
             ext, job = streamed(args.features, spec, stream["policy"], stream.get("store_mb", 64), args.workdir / name)
@@ -132,18 +137,20 @@ def main() -> None:
             print(json.dumps({"variant": name, "error": job.error}), flush=True)
             continue
         drafter, _ = load_drafter(Path(unquote(urlparse(job.artifacts["output"]).path)) / "eagle", embed)
-        row = {"variant": name, "fields": {**fields, **stream}, "train_s": round(time.monotonic() - t0),
-               "forward_tokens": forwards, "val_acc": job.metrics.get("val_acc"),
+        row = {"variant": name, "fields": {**fields, **stream, **({"wall_s": wall} if wall else {})},
+               "train_s": round(time.monotonic() - t0), "forward_tokens": forwards,
+               "steps": job.metrics.get("steps"), "tokens_per_s": job.metrics.get("tokens_per_s"),
+               "val_acc": job.metrics.get("val_acc"),
                **{s: score(drafter, passes[s], args.k) for s in SETS}}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) | "
+    print("\n| variant | τ MT-bench ± se | τ ShareGPT ± se | val acc per TTT step | train (s) | steps | "
           "target forward tokens |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["val_acc"] or [])
         print(f"| {r['variant']} | {r['mt_bench']['tau']:.3f} ± {r['mt_bench']['se']:.3f} | "
-              f"{r['sharegpt']['tau']:.3f} ± {r['sharegpt']['se']:.3f} | {acc} | {r['train_s']} | "
+              f"{r['sharegpt']['tau']:.3f} ± {r['sharegpt']['se']:.3f} | {acc} | {r['train_s']} | {r['steps']} | "
               f"{r['forward_tokens'] or '—'} |")
 
 

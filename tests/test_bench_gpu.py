@@ -25,6 +25,16 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes():
     assert extract["tokens"] > 0 and extract["ratio"] == extract["capture_tok_s"] / extract["plain_tok_s"]
     train = result["train"]
     assert train["tokens_per_s"] > 0 and train["tflops"] > 0 and train["mfu"] is None  # no known peak on a CPU
+    packing = result["packing"]  # packed vs a sample per row, same samples: packing never pads more
+    assert packing["packed"]["padding"] < packing["per_row"]["padding"]
+    assert packing["packed"]["steps"] <= packing["per_row"]["steps"]
+    assert packing["packed"]["tokens_per_s"] > 0 and packing["per_row"]["tokens_per_s"] > 0
+    fp8 = result["fp8"]  # bytes per token at the target's width: fp8 about half of bf16
+    assert fp8["bytes_per_token"]["bfloat16"] == 4 * 64 * 2 + 5 and 0.5 < fp8["ratio"] < 0.6
+    rate = fp8["handoff_bytes_per_s"]["extract"]
+    assert rate["bfloat16"] == fp8["bytes_per_token"]["bfloat16"] * extract["capture_tok_s"]
+    assert fp8["codec"]["host"]["quantize_tok_s"] > 0 and fp8["codec"]["host"]["dequantize_tok_s"] > 0
+    assert "device" not in fp8["codec"]  # a CPU run: the host is the device
     specdec = result["specdec"]
     assert specdec["drafts"] > 0 and specdec["greedy_mismatches"] == []
     assert specdec["matches_greedy"] == (specdec["near_ties"] == [])
@@ -40,3 +50,4 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes():
     assert "error" not in vllm and "skipped" not in vllm, vllm
     assert vllm["tokens"] == extract["tokens"] and vllm["device"] == "cpu" and vllm["dtype"] == "bfloat16", vllm
     assert vllm["capture_tok_s"] > 0 and vllm["plain_tok_s"] > 0 and vllm["ratio"] > 0
+    assert fp8["handoff_bytes_per_s"]["vllm_extract"]["float8_e4m3fn"] > 0
