@@ -23,6 +23,8 @@ from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from eyas.confine import Refused, check_spec
 from eyas.coordination import Work
@@ -185,7 +187,13 @@ def _job_reporter(jobs: JobStore, job_id: str, over_time: Callable[[], bool] = l
     a cancel came, or the run is `over_time` (the operator's wall-time cap)."""
 
     def report(done: int, total: int, unit: str, metrics: dict[str, Any]) -> bool:
-        job = update(jobs, job_id, progress=Progress(done=done, total=total, unit=unit), metrics=metrics)
+        try:
+            job = update(jobs, job_id, progress=Progress(done=done, total=total, unit=unit), metrics=metrics)
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            # the job store away for longer than its client's retries (a Redis restart): progress is best-effort,
+            # the stage goes on and its next report writes; the job's transitions are not written here
+            log.warning("job %s: progress at %s/%s %s not recorded: %s", job_id, done, total, unit, e)
+            return over_time()
         return job.cancel_requested or over_time()
 
     return report

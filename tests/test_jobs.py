@@ -134,3 +134,24 @@ def test_a_job_whose_worker_keeps_dying_fails_saying_so(tmp_path):
     done = execute(job.id, jobs, LocalStore(tmp_path / "store"), settings, dispatch=lambda *_: None)
     assert done.state == "failed" and done.attempts == 2
     assert "died during each of its 2 runs (the last on host-a:7)" in done.error and "memory" in done.error
+
+
+def test_a_progress_report_outlives_a_job_store_outage(monkeypatch):
+    """A Redis restart longer than the client's retries, during a progress report: the stage goes on (the report
+    returns, not raises) and the next report writes (the deploy test's Redis fault once failed a train job here)."""
+    import redis.exceptions
+
+    from orchestration import execution
+
+    calls = []
+
+    def update(jobs, job_id, **fields):
+        calls.append(fields["progress"].done)
+        if len(calls) == 1:
+            raise redis.exceptions.ConnectionError("Error 111 connecting to redis:16379. Connection refused.")
+        return type("Job", (), {"cancel_requested": False})()
+
+    monkeypatch.setattr(execution, "update", update)
+    report = execution._job_reporter(None, "tra-1")
+    assert report(1, 10, "steps", {}) is False and report(2, 10, "steps", {}) is False
+    assert calls == [1, 2]
