@@ -28,6 +28,7 @@ APIS = {"generate": 18001, "extract": 18002, "train": 18003, "evaluate": 18004, 
 S3 = "127.0.0.1:19000"
 TARGET = "/models/smollm2-135m-instruct"  # the bundled target, converted into ./models by deploy/test.sh
 ENDPOINT = "http://vllm:18000"  # the compose file's vLLM service as every container sees it
+CUDA_REPORT = STACK / "cuda-resolve.json"
 MANY = 160  # the scale check's job: a worker is killed after 40, so the other two share the rest
 
 RESULTS: list[tuple[str, float, str]] = []
@@ -117,6 +118,18 @@ def containers(service: str) -> list[str]:
     return compose("ps", "-q", service, capture=True).split()
 
 
+def start_cuda_resolve() -> subprocess.Popen:
+    """The gpu check's resolution of the CUDA image's wheels, started first: it talks to PyPI for ~100 s, so it runs
+    beside the stack's checks and is read last. Without this machine's pip settings (find-links and constraints that
+    pick the local CPU wheel), but with its CA bundle."""
+    CUDA_REPORT.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return subprocess.Popen(["python3.11", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                             "--report", str(CUDA_REPORT), "torch==2.13.0", "vllm==0.32.0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clean", action="store_true", help="also remove the stack's volumes at the end")
@@ -139,9 +152,11 @@ def main() -> int:
     s3 = Minio(S3, access_key=s3_user, secret_key=s3_secret, secure=False)
     if not args.reuse:  # a fresh stack, whatever came before
         compose("down", "--volumes", "--remove-orphans", check=False, capture=True)
+    cuda_resolve = start_cuda_resolve()
     try:
-        run_checks(apis, s3, key, s3_secret)
+        run_checks(apis, s3, key, s3_secret, cuda_resolve)
     finally:
+        cuda_resolve.kill()
         if not args.keep:
             save_logs()
             compose("down", "--remove-orphans", *(["--volumes"] if args.clean else []), check=False, capture=True)
@@ -149,7 +164,8 @@ def main() -> int:
     return 0
 
 
-def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> None:
+def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str,
+               cuda_resolve: subprocess.Popen) -> None:
     state: dict = {}
 
     def chain() -> list[dict]:  # the pipeline's four jobs (from the API when --only skipped the pipeline check)
@@ -167,22 +183,6 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         subprocess.run(["docker", "compose", "-f", "docker-compose.yml", "--env-file", str(STACK / "env"),
                         "--profile", "capture", "--profile", "multinode", "config", "-q"], cwd=REPO, check=True)
         return "docker-compose.yml (profiles capture, multinode) and + deploy/compose.cpu.yml"
-
-    @step("gpu: the CUDA image's wheels resolve (pip --dry-run from PyPI: nothing downloaded or installed)")
-    def _() -> str:
-        # PyPI's torch 2.13.0 for Linux is the CUDA build; the image's cu128 variant comes from PyTorch's index
-        report = STACK / "cuda-resolve.json"
-        # without this machine's pip settings (find-links and constraints that pick the local CPU wheel), but with
-        # its CA bundle
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
-        env["PIP_CONFIG_FILE"] = os.devnull
-        subprocess.run(["python3.11", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--report", str(report), "torch==2.13.0", "vllm==0.32.0"],
-                       env=env, check=True, capture_output=True, timeout=600)
-        wheels = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-        cuda = sorted(n for n in wheels if n.startswith("nvidia-"))
-        assert "+cpu" not in wheels["torch"] and cuda, wheels
-        return f"torch {wheels['torch']}, vllm {wheels['vllm']} and {len(cuda)} nvidia-* wheels"
 
     @step("up: every service healthy")
     def _() -> str:
@@ -321,6 +321,17 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str) -> Non
         logs = compose("logs", "--no-color", capture=True)
         assert key not in logs and s3_secret not in logs
         return f"{len(logs) // 1024} KiB of logs, neither the API key nor the S3 secret in them"
+
+    @step("gpu: the CUDA image's wheels resolve (pip --dry-run from PyPI: nothing downloaded or installed)")
+    def _() -> str:
+        # PyPI's torch 2.13.0 for Linux is the CUDA build; the image's cu128 variant comes from PyTorch's index
+        _, err = cuda_resolve.communicate(timeout=600)
+        assert cuda_resolve.returncode == 0, err[-3000:]
+        wheels = {i["metadata"]["name"]: i["metadata"]["version"]
+                  for i in json.loads(CUDA_REPORT.read_text())["install"]}
+        cuda = sorted(n for n in wheels if n.startswith("nvidia-"))
+        assert "+cpu" not in wheels["torch"] and cuda, wheels
+        return f"torch {wheels['torch']}, vllm {wheels['vllm']} and {len(cuda)} nvidia-* wheels"
 
 
 def _prompts(n: int) -> tuple:

