@@ -213,7 +213,7 @@ def test_the_series_picture_shows_the_points_the_threshold_and_the_promotions(tm
     points.insert(3, point(t0 + 150, 0, [0, 0, 0]))  # a quiet interval: no τ
     history = [{"kind": "refresh", "at": t0 + 130, "promoted": True, "candidate": {"tau": 2.1}},
                {"kind": "refresh", "at": t0 + 170, "promoted": False, "candidate": {"tau": 1.2}},
-               {"kind": "rollback", "at": t0 + 230, "tau": 1.9}]
+               {"kind": "rollback", "at": t0 + 230, "tau": None}]  # to a drafter never scored
     fig = figure("line", points, LEVEL, history)
     [ax] = fig.axes
     drawn = {line.get_gid(): line for line in ax.lines if line.get_gid() != "promotion"}

@@ -20,6 +20,10 @@ def _when(at: float) -> datetime:
     return datetime.fromtimestamp(at, UTC)
 
 
+def _tau(tau: float | None) -> str:
+    return "" if tau is None else f" (τ {tau:.2f})"
+
+
 def figure(name: str, points: list[Point], level: Level, history: list[dict[str, Any]]) -> Figure:
     """τ per interval (intervals without drafts, and the engine's totals at a first reading, are no point of it),
     the level's threshold and baseline, and each promotion (a refresh that promoted: its candidate's τ) and rollback
@@ -37,10 +41,10 @@ def figure(name: str, points: list[Point], level: Level, history: list[dict[str,
     for record in history:
         if record.get("kind") == "refresh" and record.get("promoted"):
             ax.axvline(_when(record["at"]), color="tab:green", gid="promotion",
-                       label=f"promoted (τ {record['candidate']['tau']:.2f})")
-        elif record.get("kind") == "rollback":
+                       label=f"promoted{_tau(record['candidate']['tau'])}")
+        elif record.get("kind") == "rollback":  # to a drafter whose τ may be unknown (never scored on this target)
             ax.axvline(_when(record["at"]), color="tab:orange", linestyle="-.", gid="rollback",
-                       label=f"rolled back (τ {record['tau']:.2f})")
+                       label=f"rolled back{_tau(record['tau'])}")
     if not served:
         ax.text(0.5, 0.5, "no interval with drafts yet", transform=ax.transAxes, ha="center", va="center")
     ax.set_title(f"{name}: served acceptance")
