@@ -20,6 +20,9 @@ _ = (
     # pydantic validators, run by the model on validation (eyas.manifest, eyas.settings, eyas.stage, the specs)
     _._no_secret, _._comma_separated, _._json_numbers, _._has_source, _._one_fc_norm,
     _.http_error,  # FastAPI exception handler (orchestration.api.app)
+    _.watch_status, _.watch_series, _.watch_plot,  # FastAPI routes (orchestration.api.loop)
+    _._watch_settings, _._refresh_settings,  # pydantic validators (orchestration.loop.settings)
+    _.last_refresh,  # a response model's field, set by name (orchestration.api.loop.WatchView)
     _.assist_job,  # the generator's helper Celery task (orchestration.tasks), called by its registered name
     _._start_sweep,  # Celery worker_ready signal receiver (orchestration.tasks.run_worker)
     # vLLM KV-connector hooks: vLLM loads EyasCaptureConnector by name (services.extractor.vllm_server) and calls them

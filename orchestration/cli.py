@@ -8,6 +8,7 @@ the HTTP API and `then` pipelines accept exactly the same fields.
   eyas traffic import FILE      store a JSONL of chat requests as recorded traffic
   eyas watch --endpoint URL --drafter URI   the served drafter's acceptance over time; is it still current
   eyas refresh --drafter URI    fine-tune on recent traffic, promote only when better; eyas refresh --rollback
+  eyas loop --endpoint URL --drafter URI   the watch every interval, and a refresh when the drafter falls behind
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _run_stage(stage: str, args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Every command's flags, from the stages' specs alone: no stage, torch or transformers is imported here (a
     command imports its stage when it runs)."""
+    from orchestration.loop.command import add_loop_command
     from orchestration.proxy.command import add_proxy_commands
     from orchestration.refresh.command import add_refresh_command
     from orchestration.registry import stage_doc, stage_spec
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_commands(sub)
     add_watch_command(sub)
     add_refresh_command(sub)
+    add_loop_command(sub)
     return parser
 
 
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestration.refresh.command import run_refresh_command
 
         return run_refresh_command(args)
+    if args.command == "loop":
+        from orchestration.loop.command import run_loop_command
+
+        return run_loop_command(args)
     if args.command == "api":
         from orchestration.api.app import serve_api
 

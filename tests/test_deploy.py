@@ -75,6 +75,24 @@ def test_infrastructure(compose):
     assert all(p.startswith("127.0.0.1:") for p in flower["ports"])
 
 
+def test_the_loop_runs_under_its_profile_on_the_bucket_and_its_healthcheck_reads_its_heartbeat(compose):
+    from orchestration.cli import build_parser
+    from orchestration.loop.command import HEARTBEAT
+    from orchestration.loop.settings import LoopSettings
+    from orchestration.refresh.settings import RefreshSettings
+
+    loop = compose["services"]["loop"]
+    assert loop["profiles"] == ["loop"] and _gpu(loop)  # its refreshes train
+    assert build_parser().parse_args(loop["command"]).endpoint == "http://vllm-spec:8000"
+    env = loop["environment"]
+    assert env["EYAS_MODE"] == "service"  # the traffic, the series and the promotions: the bucket the APIs read
+    for prefix, settings in (("EYAS_LOOP_", LoopSettings), ("EYAS_REFRESH_", RefreshSettings)):
+        named = {k.removeprefix(prefix).lower() for k in env if k.startswith(prefix)}
+        assert named and named <= set(settings.model_fields), prefix
+    probe = loop["healthcheck"]["test"][-1]
+    assert str(HEARTBEAT) in probe and "EYAS_LOOP_INTERVAL_S" in probe
+
+
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, its arguments) per Dockerfile instruction, continuation lines joined, comments dropped."""
     lines = dockerfile.read_text().replace("\\\n", " ").splitlines()

@@ -167,6 +167,9 @@ def test_the_series_is_stored_and_read_back(tmp_path):
     read = Series(store, "d1").points()
     assert [p.to_dict() for p in read] == [p.to_dict() for p in points]
     assert [p.at for p in Series(store, "d1").points(last=2)] == [points[3].at, points[4].at]
+    # since a time: the days before it are not read, the points before it in its day not returned
+    assert [p.at for p in Series(store, "d1").points(since=midnight)] == [p.at for p in points[2:]]
+    assert [p.at for p in Series(store, "d1").points(since=midnight - 60)] == [p.at for p in points[1:]]
     assert Series(store, "other").points() == [] and Series(store, "d1").status() is None
     status = judge(points, LEVEL, UNCHANGED, 3, 100, points[-1].at)
     series.put_status(status)

@@ -7,6 +7,8 @@
                               between steps: orchestration.cancel_watch)
   GET  /healthz  /readyz (broker, job store and object store reachable, else 503: which is down, not where)
   GET  /metrics (Prometheus)   /docs, /openapi.json (each field naming a file or URL carries its allowed pattern)
+  GET  /v1/watch/{name}, /v1/watch/{name}/series, /v1/watch/{name}/plot.png, /v1/promotions/{name}
+                              the loop, read-only (orchestration.api.loop), on the evaluate stage's service only
 
 Serve one with `eyas api --stage generate --port 8000` (→ `serve_api`).
 In service mode (EYAS_MODE=service) jobs go to the stage's Celery queue; in embedded mode a background thread of
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.settings import Settings
 from orchestration.api.guards import BodyLimit, DocsKey, Methods
+from orchestration.api.loop import loop_routes
 from orchestration.api.metrics import JobCollector
 from orchestration.api.openapi import documented
 from orchestration.api.routes import job_routes, probe_routes
@@ -42,6 +45,7 @@ from orchestration.settings import ServiceSettings, get_service_settings
 
 log = logging.getLogger(__name__)
 MAX_PROBLEMS = 20  # named in one 422
+LOOP_STAGE = "evaluate"  # the service that shows the loop: the served τ is what its stage measures
 
 
 def _unparsable(cause: BaseException | None) -> dict:
@@ -122,6 +126,8 @@ def create_app(stage: str, settings: Settings | None = None) -> FastAPI:
 
     app.include_router(job_routes(stage, spec_cls, runtime, settings, rejected))
     app.include_router(probe_routes(stage, runtime, settings, registry))
+    if stage == LOOP_STAGE:
+        app.include_router(loop_routes(runtime.store, settings))
     if settings.api_key is not None:
         app.add_middleware(DocsKey, paths={app.openapi_url, app.docs_url, app.redoc_url},
                            key=settings.api_key.get_secret_value())

@@ -39,7 +39,7 @@ JobId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="job i
 def job_routes(stage: str, spec_cls: type[StageSpec], runtime: Runtime, settings: ServiceSettings,
                rejected: Counter) -> APIRouter:
     router = APIRouter(prefix="/v1/jobs", dependencies=v1_dependencies(settings))
-    errors = _error_responses(settings)
+    errors = error_responses(settings)
     missing = {404: {"model": Problems, "description": f"no such {stage} job (another stage's job is its service's)"}}
     # whether a running job's worker still holds its lease (service mode: orchestration.lease)
     alive = None if runtime.leases is None else (lambda job_id: runtime.leases.held(job_lease(job_id)))
@@ -126,7 +126,7 @@ def probe_routes(stage: str, runtime: Runtime, settings: ServiceSettings, regist
     return router
 
 
-def _error_responses(settings: ServiceSettings) -> dict[int, dict]:
+def error_responses(settings: ServiceSettings) -> dict[int, dict]:
     """The errors every route of a stage's jobs may answer: an invalid request, and a missing or wrong API key
     where the service has one."""
     errors = {422: {"model": Problems, "description": "invalid request: detail names the field and the value"}}

@@ -19,7 +19,7 @@ def add_refresh_command(sub) -> None:
                          "(or --rollback)", __doc__, RefreshSettings, "(the traffic, the jobs and the promotions)")
 
 
-def _named_roots(rs: RefreshSettings, settings):
+def named_roots(rs: RefreshSettings, settings):
     """The local drafter and target directories the user named, absolute, as input roots (the user named them, so
     the jobs may read them; as orchestration.embedded.command_line_settings does for a stage's command)."""
     named = []
@@ -40,7 +40,7 @@ def run_refresh_command(args: argparse.Namespace) -> int:
     from orchestration.spec_flags import spec_from_args
 
     rs = RefreshSettings(**spec_from_args(args, skip={"command", "workdir", "verbose"}))
-    settings = _named_roots(rs, service_settings(args.workdir))
+    settings = named_roots(rs, service_settings(args.workdir))
     store = traffic_store(settings)
     try:
         if rs.rollback:

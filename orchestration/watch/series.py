@@ -3,6 +3,7 @@ bucket), under watch/NAME/:
 
   points/YYYYmmdd.jsonl   the series: one point a line (orchestration.watch.status.Point), one object a day (UTC)
   status.json             the latest status, with its numbers and checks
+  acceptance.png          the series as a picture (orchestration.watch.plot), rewritten at each reading
   state.json              the last reading of the counters (the next interval is measured from it, also by the next
                           `eyas watch --once`) and what the endpoint showed when the watch first ran
 
@@ -33,7 +34,7 @@ def counters_from_dict(d: dict[str, Any]) -> SpecCounters:
 
 class Series:
     def __init__(self, store: ObjectStore, name: str, prefix: str = "watch"):
-        self.store, self.folder = store, f"{prefix}/{name}"
+        self.store, self.name, self.folder = store, name, f"{prefix}/{name}"
         self._day: str | None = None
         self._lines: list[str] = []
 
@@ -51,13 +52,18 @@ class Series:
         self.store.put_bytes(key, ("\n".join(self._lines) + "\n").encode())
         return key
 
-    def points(self, last: int | None = None) -> list[Point]:
-        """The stored points in time order; with `last`, only that many of the latest (the newest days read first)."""
+    def points(self, last: int | None = None, since: float | None = None) -> list[Point]:
+        """The stored points in time order; with `last`, only that many of the latest, with `since`, only those at
+        or after that time (the newest days read first, the days before `since` not at all)."""
         days = sorted(k for k in self.store.list(self.key("points")) if k.endswith(".jsonl"))
+        if since is not None:
+            first = self.key(f"points/{datetime.fromtimestamp(since, UTC).strftime(DAY)}.jsonl")
+            days = [k for k in days if k >= first]
         found: list[Point] = []
         for key in reversed(days):
             lines = [ln for ln in self.store.get_bytes(key).decode().splitlines() if ln.strip()]
-            found = [Point.from_dict(json.loads(ln)) for ln in lines] + found
+            found = [p for p in (Point.from_dict(json.loads(ln)) for ln in lines)
+                     if since is None or p.at >= since] + found
             if last is not None and len(found) >= last:
                 return found[-last:]
         return found
@@ -68,6 +74,13 @@ class Series:
     def status(self) -> dict[str, Any] | None:
         key = self.key("status.json")
         return json.loads(self.store.get_bytes(key)) if self.store.exists(key) else None
+
+    def put_plot(self, png: bytes) -> None:
+        self.store.put_bytes(self.key("acceptance.png"), png)
+
+    def plot(self) -> bytes | None:
+        key = self.key("acceptance.png")
+        return self.store.get_bytes(key) if self.store.exists(key) else None
 
     def state(self) -> dict[str, Any]:
         key = self.key("state.json")

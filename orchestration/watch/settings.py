@@ -32,6 +32,8 @@ class WatchSettings(BaseSettings):
     window: int = Field(5, ge=1, description="the acceptance judged is over this many latest intervals together")
     min_drafts: int = Field(100, ge=1, description="fewer drafts than this in the window are too few to judge: "
                                                    "no traffic")
+    plot_days: float = Field(7.0, gt=0, le=366, description="the series' picture (watch/NAME/acceptance.png, "
+                             "rewritten at each reading) shows this many latest days")
     served_model: str | None = Field(None, description="the model name (or root path) the endpoint must list "
                                                        "(default: what it listed when the watch first ran)")
     target: str | None = Field(None, description="a local copy of the target (HF directory) whose tokenizer "

@@ -1,7 +1,7 @@
 """The watch itself: each check reads the engine's spec-decode counters (services.evaluator.live) and the target's
 identity (orchestration.watch.identity), appends the interval's point to the stored series, judges the status
-(orchestration.watch.status) and stores it. What it is judged against — the τ measured at promotion and the drafter's
-record of its target — is read once, when the watch opens.
+(orchestration.watch.status) and stores it, with the series' picture (orchestration.watch.plot). What it is judged
+against — the τ measured at promotion and the drafter's record of its target — is read once, when the watch opens.
 """
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from typing import Any
 from eyas.layout import Layout
 from eyas.manifest import Manifest, read_manifest
 from eyas.store import Artifact, ObjectStore, open_artifact
-from orchestration.refresh.promotion import promoted
+from orchestration.refresh.promotion import Promotions, promoted
 from orchestration.watch.identity import Reference, Served, build_reference, read_served, target_checks
 from orchestration.watch.series import Series, counters_from_dict, counters_to_dict
 from orchestration.watch.settings import WatchSettings
 from orchestration.watch.status import Level, Point, Status, judge, point_between
 from services.evaluator.live import SpecCounters, read_counters
+
+DAY_S = 86_400.0
 
 
 class WatchError(ValueError):
@@ -36,11 +38,13 @@ class Watch:
     read_served: Callable[[], Served]
     window: int = 5
     min_drafts: int = 100
+    plot_days: float = 7.0
     clock: Callable[[], float] = time.time
 
     def __post_init__(self):
         self.state: dict[str, Any] = self.series.state()
         self.points: list[Point] = self.series.points(last=self.window)
+        self.shown: list[Point] = self.series.points(since=self.clock() - self.plot_days * DAY_S)  # in the picture
         if self.state.get("endpoint") != self.endpoint:  # another endpoint's readings say nothing of this one
             self.state, self.points = {"endpoint": self.endpoint}, []
 
@@ -61,6 +65,11 @@ class Watch:
         self.state["reading"] = {"at": at, "counters": counters_to_dict(counters)}
         self.series.put_state(self.state)
         self.series.put_status(status)
+        from orchestration.watch.plot import figure, png  # (matplotlib: imported by a watch that draws only)
+
+        self.shown = [p for p in [*self.shown, point] if p.at >= at - self.plot_days * DAY_S]
+        history = Promotions(self.series.store, self.series.name).history()
+        self.series.put_plot(png(figure(self.series.name, self.shown, self.level, history)))
         return status
 
 
@@ -119,4 +128,5 @@ def open_watch(ws: WatchSettings, settings, store: ObjectStore) -> Watch:
                  reference=build_reference(layout, kwargs, candidates, ws.served_model),
                  # one reading each time: under live traffic the counters never stop moving (read_counters' settle)
                  read_counters=lambda: read_counters(base, timeout_s=0, api_key=key),
-                 read_served=lambda: read_served(base, kwargs, key), window=ws.window, min_drafts=ws.min_drafts)
+                 read_served=lambda: read_served(base, kwargs, key), window=ws.window, min_drafts=ws.min_drafts,
+                 plot_days=ws.plot_days)
