@@ -125,6 +125,8 @@ class WeedServer:
         cmd = [self.weed, "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-s3.port={self.s3_port}", f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
                f"-filer.port={self.filer_port}", "-master.telemetry=false",
+               # servers it would start on fixed ports (two test workers run two of these at once): not needed here
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
                # mini sizes its volume count as free disk / volume size, and every bucket takes a volume: CI failed
                # with "no free volumes left" at the ~32nd test bucket on a disk with ~35 GB free. Volumes are sparse
                # files created on demand, so a fixed count is free of the disk's size
