@@ -303,7 +303,9 @@ def run_checks(apis: dict[str, Api], s3: Minio, key: str, s3_secret: str,
     @step("faults: a worker killed for memory (a 1 GiB limit on the trainer)")
     def _() -> str:
         limit = STACK / "oom.yml"
-        limit.write_text("services:\n  trainer-worker:\n    mem_limit: 1g\n    memswap_limit: 1g\n")
+        # two runs, not the default three: each is a kill and a 30-s wait for the task to come back
+        limit.write_text("services:\n  trainer-worker:\n    mem_limit: 1g\n    memswap_limit: 1g\n"
+                         "    environment:\n      EYAS_MAX_JOB_RUNS: \"2\"\n")
         compose("up", "-d", "--no-build", "--wait", "trainer-worker", extra_files=(str(limit),))
         features = chain()[1]["artifacts"]["output"]
         # a draft vocabulary as large as the target's and long batches: more than 1 GiB in the worker

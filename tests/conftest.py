@@ -26,38 +26,6 @@ from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, 
 os.environ["EYAS_EXTRACT_ENGINE"] = "transformers"
 
 
-# The suite runs on two workers (scripts/test.sh: pytest-xdist, --dist loadgroup). A test file stays on one worker, so
-# its module fixtures (tiny targets, trained drafters, vLLM servers) are built once; the files that use the session's
-# vLLM server (`vllm_url`) go together, so it starts once. The files that take longest go first (bench/README.md
-# § Test suite), so that no worker is left alone with a long file at the end; the rest keep their order.
-SHARED_VLLM_GROUP = "shared-vllm"
-SLOWEST_FIRST = (SHARED_VLLM_GROUP, "test_families", "test_diagnose", "test_handoff", "test_run", "test_evaluator",
-                 "test_aux_layers", "test_deadline", "test_vllm_capture", "test_cancel", "test_api_fuzz", "test_trainer",
-                 "test_quantized_pipeline", "test_synthesis", "test_bench_gpu")
-
-
-def _file(item: pytest.Item) -> str:
-    return Path(str(item.path)).stem
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    shared_vllm = {_file(item) for item in items if "vllm_url" in getattr(item, "fixturenames", ())}
-    group = {_file(item): SHARED_VLLM_GROUP if _file(item) in shared_vllm else _file(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[_file(item)]))
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group[_file(item)], len(rank)))  # stable: the rest keep their order
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, the bundled target is converted (once, ~30 s) before the workers start, not by both at once."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        from eyas.target import bundled_target_dir
-
-        bundled_target_dir()
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     with redis_server() as url:
