@@ -179,7 +179,8 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("PYTHONPATH", None)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir,
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -188,5 +189,5 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
             raise type(e)(f"{e}\nroot cause: {root_cause(log.read_text(errors='replace'))}") from None
         yield url
     finally:
-        stop_process(proc, wait_s=20)
+        stop_process(proc, wait_s=20, group=True)
         shutil.rmtree(logdir, ignore_errors=True)

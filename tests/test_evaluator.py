@@ -4,8 +4,11 @@ mis-wired drafter. A small real pipeline (generate → extract → train, embedd
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -19,6 +22,7 @@ from eyas.store import open_artifact
 from eyas.target import BUNDLED, load_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator import report as reports
+from services.evaluator.launch import stop
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 
@@ -221,3 +225,19 @@ def test_a_live_check_whose_vllm_does_not_start_is_a_finding_in_the_report(pipel
     assert "root cause: ValueError: Available memory on node 0" in serving["live_error"]
     assert "live_check" not in serving and "in-process transformers forward" in serving["source"]["target"]
     assert "live check on vLLM</th><td>not run to the end: vLLM" in out.get_bytes("report.html").decode()
+
+
+def test_stopping_a_server_stops_what_it_started_too():
+    """A server whose child outlives it (vLLM's engine-core process, when the API server dies first) leaves nothing
+    behind: stop(group=True) kills the rest of the server's session."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 600 & exec sleep 600"], start_new_session=True)
+    time.sleep(0.5)
+    stop(proc, wait_s=5, group=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the server's child outlived stop()")

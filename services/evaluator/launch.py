@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import tempfile
@@ -40,7 +42,7 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
     if speculative_config:
         args += ["--speculative-config", json.dumps(speculative_config)]
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + ready_s
@@ -55,7 +57,7 @@ def vllm(command: str, model_dir: Path, speculative_config: dict | None = None, 
                 time.sleep(1.0)
             yield url
         finally:
-            stop(proc)
+            stop(proc, group=True)
 
 
 def root_cause(log_text: str) -> str:
@@ -66,8 +68,10 @@ def root_cause(log_text: str) -> str:
     return causes[0] if causes else "none logged"
 
 
-def stop(proc: subprocess.Popen, wait_s: float = 30) -> None:
-    """Terminate and wait; kill what does not exit within wait_s."""
+def stop(proc: subprocess.Popen, wait_s: float = 30, group: bool = False) -> None:
+    """Terminate and wait; kill what does not exit within wait_s. `group`: the process leads a session of its own
+    (start_new_session), and what is left of it is killed too — a vLLM server killed before its engine-core process
+    exited leaves that process behind, holding its KV cache (GBs), with no parent to stop it."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -75,6 +79,9 @@ def stop(proc: subprocess.Popen, wait_s: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # none left
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _healthy(url: str) -> bool:
