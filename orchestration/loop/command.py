@@ -28,20 +28,18 @@ def add_loop_command(sub) -> None:
 
 
 def _pass_line(loop) -> tuple[str, int]:
-    import httpx
-
     from orchestration.loop.loop import loop_once
-    from orchestration.watch.command import EXIT, UNREACHABLE
+    from orchestration.watch.command import reading_line
     from orchestration.watch.watch import WatchError
 
-    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    try:
+    def read() -> tuple[str, str]:
         turn = loop_once(loop)
+        return f"{turn.status.sentence} → {turn.refresh}", turn.status.state
+
+    try:
+        return reading_line(read)
     except WatchError as e:
-        return f"{stamp} error: {e}", 2
-    except (httpx.HTTPError, ValueError) as e:  # ValueError: a /metrics page that is no Prometheus text
-        return f"{stamp} endpoint unreachable: its counters could not be read ({type(e).__name__}: {e})", UNREACHABLE
-    return f"{stamp} {turn.status.sentence} → {turn.refresh}", EXIT[turn.status.state]
+        return f"{datetime.now():%Y-%m-%d %H:%M:%S} error: {e}", 2
 
 
 def _loop(ls: LoopSettings, settings):

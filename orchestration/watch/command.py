@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from orchestration.watch.settings import WatchSettings
@@ -23,15 +24,29 @@ def add_watch_command(sub) -> None:
                          __doc__, WatchSettings, "the series goes to")
 
 
-def _check_line(watch) -> tuple[str, int]:
+def reading_line(read: Callable[[], tuple[str, str]]) -> tuple[str, int]:
+    """One stamped line and the exit code for a reading: `read()` gives (sentence, state). An endpoint whose counters
+    cannot be read is a line too; a WatchError (nothing to judge against) is the caller's."""
     import httpx
+
+    from orchestration.watch.watch import WatchError
 
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     try:
-        status = watch.check()
+        sentence, state = read()
+    except WatchError:
+        raise
     except (httpx.HTTPError, ValueError) as e:  # ValueError: a /metrics page that is no Prometheus text
         return f"{stamp} endpoint unreachable: its counters could not be read ({type(e).__name__}: {e})", UNREACHABLE
-    return f"{stamp} {status.sentence}", EXIT[status.state]
+    return f"{stamp} {sentence}", EXIT[state]
+
+
+def _check_line(watch) -> tuple[str, int]:
+    def read() -> tuple[str, str]:
+        status = watch.check()
+        return status.sentence, status.state
+
+    return reading_line(read)
 
 
 def run_watch_command(args: argparse.Namespace) -> int:
