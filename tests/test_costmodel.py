@@ -15,7 +15,7 @@ from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay
 from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend
 from services.evaluator.launch import vllm
-from services.evaluator.serving import fastest, noise, noise_bounds, predict
+from services.evaluator.serving import engine_draft_times, fastest, noise, noise_bounds, predict
 from services.evaluator.steptime import readings
 
 # A memory-bound engine up to 32 tokens a step (10 ms whatever the batch), compute-bound beyond (linear); a drafter
@@ -280,7 +280,7 @@ def test_the_report_opens_with_the_answer_and_reads_as_sentences():
 LIVE_C1 = {"concurrency": 1, "k": 3, "predicted_speedup": 0.84, "measured_speedup": 1.12, "relative_error": -0.25,
            "decode_tok_s": [21.0, 23.5], "measured_end_to_end_speedup": 22.5 / 20.5, "baseline_tok_s": 20.5,
            "speculative_tok_s": 22.5, "tau_in_process": 1.27, "tau_vllm": 1.27, "accepted_per_output_token": 0.192,
-           "outputs_equal": True}
+           "outputs_equal": True, "off": True}
 NGRAM_C1 = {"method": "ngram", "served": True, "concurrency": 1, "config": alternatives.FREE_METHODS["ngram"],
             "tok_s": 26.7, "speedup": 26.7 / 20.5, "tau": 1.35, "accepted_per_output_token": 0.258, "why": None}
 SUFFIX_MISSING = {"method": "suffix", "served": False, "concurrency": None,
@@ -328,6 +328,27 @@ def test_the_report_answers_with_what_was_measured_fastest_and_lists_every_metho
         assert row in table
     assert "suffix decoding</th><td>not served by this engine: vLLM not serving (exited 1)" in table
     assert "predicted (before measuring)" in table
+    # the in-process prediction missed the measurement by 25 %: flagged beside it
+    assert "(-25.0%), 1.098 × end to end; τ 1.2700 in-process, 1.2700 on vLLM — the prediction is off by more " \
+           "than 15%: trust the measurement here" in page
+
+
+def test_the_drafters_cost_in_the_engine_is_its_speculative_step_less_the_verify():
+    """engine_draft_times inverts the cost model: speculative steps timed on a server at K (here made from a known
+    drafter) give back that drafter's step times, chained or parallel; the prediction from them then equals the
+    measured step's rate at that K, and the cost of another K follows from them."""
+    for parallel, drafter in ((False, [(1, 0.002), (4, 0.003), (16, 0.006)]),
+                              (True, [(3, 0.004), (12, 0.005), (48, 0.009)])):
+        known = StepTimes(target=ENGINE.target, drafter=drafter, parallel=parallel)
+        steps = [(b, known.spec_step(b, 3)) for b in (1, 4, 16)]
+        got = engine_draft_times(steps, ENGINE.target, 3, parallel)
+        assert [x for x, _ in got] == [x for x, _ in drafter]
+        assert [t for _, t in got] == pytest.approx([t for _, t in drafter])
+        engine = StepTimes(target=ENGINE.target, drafter=got, parallel=parallel)
+        assert [engine.spec_step(b, 3) for b in (1, 4, 16)] == pytest.approx([t for _, t in steps])
+        assert engine.spec_step(1, 5) == pytest.approx(known.spec_step(1, 5))
+    # a verify read slower than the whole step (noise) costs the drafter nothing, never less
+    assert engine_draft_times([(1, 0.005)], ENGINE.target, 3, False) == [(1, 0.0)]
 
 
 def test_a_free_method_whose_server_does_not_start_is_a_row_not_an_error(tmp_path: Path):

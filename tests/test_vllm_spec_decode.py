@@ -175,7 +175,10 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     serving = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))["serving"]
     recommended = serving["best"][0]["k"]
     print(f"\ntarget step s (batch b, vLLM): {[(b, round(t, 4)) for b, t in serving['target_s']]}"
-          f"\ndrafter step s (batch b, in-process): {[(b, round(t, 4)) for b, t in serving['drafter_s']]}"
+          f"\nspeculative step s (batch b, vLLM): {[(b, round(t, 4)) for b, t in serving['spec_step_s']]}, "
+          f"{serving['spec_tokens_per_step']:.3f} tokens a step (counters: τ {serving['spec_step_tau']:.3f})"
+          f"\ndrafter step s (batch b, in the engine): {[(b, round(t, 4)) for b, t in serving['drafter_s']]}"
+          f"\ndrafter step s (batch b, in-process): {[(b, round(t, 4)) for b, t in serving['drafter_s_in_process']]}"
           f"\nτ(K): {serving['tau_per_k']}\nbest: {serving['best']}\n{serving['decision']}")
     for run in serving["live_check"]:
         print(f"concurrency {run['concurrency']}, K = {run['k']}: predicted {run['predicted_speedup']:.3f} ×, "
@@ -190,7 +193,15 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     assert httpx.get(f"{vllm_url}/health", timeout=5).status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{serving['live_endpoints']['spec_endpoint']}/health", timeout=5)
+    # the drafter's cost measured in the engine: the speculative server's step at the batches timed, where a streamed
+    # chunk is one engine step (its tokens per chunk are the counters' τ over the same runs)
+    assert serving["source"]["drafter"].startswith("vLLM speculative server")
+    assert serving["step_noise"]["drafter"] is None
+    assert [b for b, _ in serving["spec_step_s"]] == [b for b, _ in serving["drafter_s"]] == [1, 4, 16]
+    assert serving["spec_tokens_per_step"] == pytest.approx(serving["spec_step_tau"], rel=0.1)
+    assert len(serving["drafter_s_in_process"]) == 7
     for run in serving["live_check"]:
+        assert run["off"] == (abs(run["relative_error"]) > 0.15)
         assert run["outputs_equal"]  # speculation changed no greedy output
         assert run["predicted_speedup"] > 0 and run["measured_speedup"] > 0
         assert run["relative_error"] == pytest.approx((run["predicted_speedup"] - run["measured_speedup"])

@@ -423,6 +423,17 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
             out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
                                      "started": [name for name, given in (("plain", spec.endpoint),
                                                                           ("spec", spec.spec_endpoint)) if not given]}
+            ctx.check()
+            # the drafter's cost measured in the engine now that it serves: the prediction made again from the
+            # engine's times alone, the in-process draft times kept beside
+            times, engine = serving.engine_steps(spec_endpoint, prompts[0].ids, times, api_key)
+            in_process = {"drafter_s_in_process": out["drafter_s"], "source": out["source"]}
+            out.update(serving.predict(times, (times, times), per_k, len(prompts), model, method, spec.k),
+                       drafter_s=times.drafter, drafter_s_in_process=in_process["drafter_s_in_process"],
+                       spec_step_s=engine["spec_step_s"], spec_tokens_per_step=engine["tokens_per_step"],
+                       spec_step_tau=engine["tau"],
+                       source={**in_process["source"], "drafter": engine["source"]},
+                       step_noise={**out["step_noise"], "drafter": None})
             out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], live_tokens, endpoint,
                                                    spec_endpoint, times, per_k, api_key, ctx.check)
     if command and out.get("live_check"):

@@ -266,6 +266,7 @@ class LiveCheck(_Model):
     predicted_speedup: float | None = Field(description="null: no τ measured in-process at that K")
     measured_speedup: float = Field(description="while every stream decodes")
     relative_error: float | None
+    off: bool = Field(description="the prediction misses the measurement by more than costmodel.OFF_BY (15 %)")
     decode_tok_s: list[float] = Field(description="plain, speculative")
     measured_end_to_end_speedup: float
     baseline_tok_s: float
@@ -330,7 +331,8 @@ class Evidence(_Model):
 class StepNoise(_Model):
     """Each in-process point's noise: how far its second fastest reading lies above the fastest, relative."""
     target: list[tuple[int, float]] | None = Field(description="null: the target's times come from a vLLM endpoint")
-    drafter: list[tuple[int, float]]
+    drafter: list[tuple[int, float]] | None = Field(
+        description="null: the drafter's times come from the speculative server (the live check)")
 
 
 class Serving(_Model):
@@ -339,6 +341,14 @@ class Serving(_Model):
     source: StepSource
     target_s: list[tuple[int, float]] = Field(description="(tokens in one target forward, seconds)")
     drafter_s: list[tuple[int, float]] = Field(description="(batch, seconds of one draft step)")
+    drafter_s_in_process: list[tuple[int, float]] | None = _absent(
+        "the in-process draft step times, when drafter_s was measured in the engine; absent otherwise")
+    spec_step_s: list[tuple[int, float]] | None = _absent(
+        "(batch, seconds of one speculative engine step) on the live check's speculative server; absent without it")
+    spec_tokens_per_step: float | None = _absent("tokens a speculative engine step emitted, on average, while "
+                                                 "spec_step_s was timed (streamed chunks: one a step)")
+    spec_step_tau: float | None = _absent("τ the server's counters gave over the same runs: the tokens a step emits, "
+                                          "which spec_tokens_per_step must match for a chunk to be a step")
     step_noise: StepNoise
     tau_per_k: dict[str, float | None] = Field(description="K → τ(K); null: no draft measured at that K")
     evidence: Evidence

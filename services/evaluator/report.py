@@ -30,7 +30,7 @@ from typing import Any
 import matplotlib
 
 from services.evaluator import alternatives
-from services.evaluator.costmodel import plural
+from services.evaluator.costmodel import OFF_BY, plural
 from services.evaluator.model import Report
 
 matplotlib.use("Agg")
@@ -200,7 +200,7 @@ def break_even_text(serving: dict[str, Any]) -> str:
 
 def _noise_text(noise: list[list[float]] | None) -> str:
     if not noise:
-        return "not estimated (one reading per point)"
+        return "one reading a point, on the serving engine"
     rel = sorted(r for _, r in noise)
     return f"±{rel[len(rel) // 2]:.1%} at the median point, ±{rel[-1]:.1%} at the worst"
 
@@ -223,6 +223,10 @@ def _serving_html(serving: dict[str, Any]) -> list[str]:
                ("their noise", _noise_text(noise.get("target"))),
                ("drafter step times", serving["source"]["drafter"]),
                ("their noise", _noise_text(noise.get("drafter")))]
+    if serving.get("spec_step_s"):
+        summary.append(("speculative step on vLLM", ", ".join(
+            f"{t * 1e3:.1f} ms at {plural(b, 'sequence')}" for b, t in serving["spec_step_s"])
+            + f"; {serving['spec_tokens_per_step']:.2f} tokens a step"))
     if serving.get("live_error"):
         summary.append(("live check on vLLM", f"not run to the end: {serving['live_error']}"))
     parts = ["<h2>Serving: predicted speed-up per concurrency and K</h2>",
@@ -281,9 +285,11 @@ def _live_text(r: dict[str, Any]) -> str:
     predicted = (f"predicted {r['predicted_speedup']:.3f} ×, " if r["predicted_speedup"] is not None
                  else "no prediction (no τ measured in-process at this K), ")
     error = f" ({r['relative_error']:+.1%})" if r["relative_error"] is not None else ""
+    off = (f" — the prediction is off by more than {OFF_BY:.0%}: trust the measurement here"
+           if r.get("off") else "")
     return (f"{predicted}measured {r['measured_speedup']:.3f} × while decoding{error}, "
             f"{r['measured_end_to_end_speedup']:.3f} × end to end; τ {_fmt(r['tau_in_process'])} in-process, "
-            f"{_fmt(r['tau_vllm'])} on vLLM")
+            f"{_fmt(r['tau_vllm'])} on vLLM{off}")
 
 
 def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:

@@ -4,7 +4,10 @@
                  evaluator computes it once for its headline τ and passes it here)
   2. step times  the target's on the serving engine (a vLLM endpoint) or in-process, the drafter's in-process
                  (services.evaluator.steptime); in-process, each point the fastest of a few readings, ± its noise
-                 (the gap to the next fastest), which the prediction carries as the speed-up's interval
+                 (the gap to the next fastest), which the prediction carries as the speed-up's interval. Once a
+                 speculative server runs (the live check), the drafter's cost is measured in the engine too: its
+                 speculative step at a few batches less the target's verify forward (engine_steps), and the
+                 prediction is made again from the engine's times alone
   3. prediction  tokens/s with and without speculation per (concurrency, K), best K, break-even, the decision
                  line (services.evaluator.costmodel): from the K whose τ was measured (none: it says so), "cannot
                  tell" where the interval straddles 1
@@ -14,7 +17,8 @@
   4. live check  the A/B on vLLM without and with the drafter at two concurrencies, at the K the speculative server
                  runs (its /metrics: draft tokens / drafts): predicted vs measured speed-up in the steady state the
                  model predicts (streams decoding together, steptime.endpoint_decode_rate), and end to end (live_ab:
-                 wall time of the prompts, prefills and a partly filled last batch included, which pull it toward 1)
+                 wall time of the prompts, prefills and a partly filled last batch included, which pull it toward 1);
+                 a prediction more than costmodel.OFF_BY from the measurement is flagged
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from collections.abc import Callable
 
 from eyas.methods import DraftingMethod, get_method
 from services.evaluator import costmodel, steptime
-from services.evaluator.live import live_ab
+from services.evaluator.live import live_ab, read_counters
 from services.evaluator.specdec import PromptIds
 
 K_MAX = 7
@@ -35,6 +39,8 @@ LIVE_PROMPTS = 4
 LIVE_MAX_TOKENS = 64
 # in-process target points: one forward over n new tokens (b = min(n, 64) sequences of n / b tokens)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# the speculative server's step, timed at these batches (the cost model interpolates and extends between them)
+ENGINE_BATCHES = (1, 4, 16)
 
 
 def fastest(readings: list[tuple[int, list[float]]]) -> list[tuple[int, float]]:
@@ -92,6 +98,40 @@ def measure_steps(target, drafter, method: DraftingMethod, prompt: list[int], en
         "step_noise": {"target": target_noise, "drafter": drafter_noise}}
 
 
+def engine_draft_times(spec_points: list[tuple[int, float]], target_points: list[tuple[int, float]], k: int,
+                       parallel: bool) -> list[tuple[int, float]]:
+    """The drafter's step times inside the engine, in StepTimes.drafter's terms, from the speculative server's
+    step at batch b (spec_points) less the target's forward over b·(K+1) tokens: per chained draft step at batch b,
+    or, for a parallel drafter, its one forward over b·K tokens. The engine's own overhead is counted in: what a
+    speculative step costs beyond the verify, spread over the drafts. Never below 0 (a verify read slower than the
+    whole step is noise)."""
+    out = []
+    for b, step in spec_points:
+        rest = max(0.0, step - costmodel.interpolate(target_points, b * (k + 1)))
+        out.append((b * k, rest) if parallel else (b, rest / k))
+    return out
+
+
+def engine_steps(spec_endpoint: str, prompt: list[int], times: costmodel.StepTimes, api_key: str | None
+                 ) -> tuple[costmodel.StepTimes, dict]:
+    """The step times with the drafter's measured in the engine (the speculative server's step less the
+    target's verify, at the K it runs: its counters' draft tokens per draft), and what the report says of them."""
+    before = read_counters(spec_endpoint, api_key=api_key)
+    spec_points, tokens_per_step = steptime.endpoint_spec_step_times(spec_endpoint, prompt, ENGINE_BATCHES,
+                                                                     api_key=api_key)
+    counted = read_counters(spec_endpoint, api_key=api_key) - before
+    if not counted.drafts:
+        raise RuntimeError(f"the speculative server {spec_endpoint} drafted nothing while its steps were timed")
+    k = round(counted.draft_tokens / counted.drafts)
+    drafter = engine_draft_times(spec_points, times.target, k, times.parallel)
+    return dataclasses.replace(times, drafter=drafter), {
+        "k": k, "spec_step_s": spec_points, "tokens_per_step": tokens_per_step,
+        "tau": counted.summary()["acceptance_length"],
+        "source": (f"vLLM speculative server {spec_endpoint} at K = {k}: its decode step at batch b (streamed, "
+                   "ignore_eos) less the target's forward over b·(K+1) tokens, per draft step (the engine's own "
+                   "cost, its overhead included)")}
+
+
 def predict(times: costmodel.StepTimes, bounds: tuple[costmodel.StepTimes, costmodel.StepTimes],
             per_k: dict[int, dict], prompts: int, model: str, method: DraftingMethod, evaluated_k: int) -> dict:
     """The recommendation (from the K whose τ was measured, within the step times' noise), the exact
@@ -145,8 +185,9 @@ def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_en
         plain_rate, spec_rate = (steptime.endpoint_decode_rate(url, ids, c, max_tokens, api_key)
                                  for url in (endpoint, spec_endpoint))
         measured = spec_rate / plain_rate
+        error = (predicted - measured) / measured if predicted is not None else None
         out.append({"concurrency": c, "k": k, "predicted_speedup": predicted, "measured_speedup": measured,
-                    "relative_error": (predicted - measured) / measured if predicted is not None else None,
+                    "relative_error": error, "off": error is not None and abs(error) > costmodel.OFF_BY,
                     "decode_tok_s": [plain_rate, spec_rate],
                     "measured_end_to_end_speedup": ab["speedup"],
                     "baseline_tok_s": ab["baseline"]["tok_s"], "speculative_tok_s": spec["tok_s"],

@@ -8,12 +8,19 @@ b, i.e. one target forward over b tokens with a KV cache, as the server runs it 
 points (b = 1, 2, 4, … 64) and short generations keep the
 whole measurement well under a minute on vLLM-CPU; the cost model interpolates between them.
 
+On a speculative server the same window gives the engine's own speculative step at batch b: a streamed chunk is
+one engine step of one request (its accepted drafts and the bonus token), so a request's seconds / chunks within
+the window is the step: K draft forwards, the verify forward over b·(K+1) tokens and whatever the engine adds. Less
+the target's forward over those b·(K+1) tokens (the plain endpoint's points), what remains is the drafter's cost
+inside the engine (services.evaluator.serving.engine_draft_times).
+
 In-process (the default, no endpoint): the target's forward over [b, n] new tokens after a KV cache of
 CONTEXT tokens, and the drafter's step at batch b, READINGS timed calls of each: the point is the fastest (the least
-disturbed), the gap to the next fastest its noise. The drafter always runs in-process: that is its cost on this
-machine, not inside the engine (the report says so). On a CPU both run on one thread, as vLLM-CPU runs its model
-on one core: on a shared CPU, several threads mostly measure contention (their readings of a draft step spread
-several times wider than one thread's).
+disturbed), the gap to the next fastest its noise. The drafter runs in-process until a speculative server
+measures it in the engine: that is its cost on this machine, not inside the engine (the report says so; inside
+vLLM-CPU a draft step cost 2-3 times the in-process one: bench/README.md § Serving prediction). On a CPU both run
+on one thread, as vLLM-CPU runs its model on one core: on a shared CPU, several threads mostly measure contention
+(their readings of a draft step spread several times wider than one thread's).
 """
 from __future__ import annotations
 
@@ -55,14 +62,15 @@ async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> list[t
     return seen
 
 
-def _window(runs: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
-    """(seconds, tokens) of each request between its first and last chunk while every request decodes."""
+def _window(runs: list[list[tuple[float, int]]]) -> list[tuple[float, int, int]]:
+    """(seconds, tokens, engine steps) of each request between its first and last chunk while every request
+    decodes (one chunk a step: the steps are the chunks after the first)."""
     start, end = max(r[0][0] for r in runs), min(r[-1][0] for r in runs)
     spans = []
     for r in runs:
         inside = [(t, n) for t, n in r if start <= t <= end]
         if len(inside) > 1 and inside[-1][1] > inside[0][1]:
-            spans.append((inside[-1][0] - inside[0][0], inside[-1][1] - inside[0][1]))
+            spans.append((inside[-1][0] - inside[0][0], inside[-1][1] - inside[0][1], len(inside) - 1))
     if not spans:
         raise RuntimeError("no decode window shared by all requests: raise the tokens per request")
     return spans
@@ -86,8 +94,23 @@ def endpoint_step_times(url: str, prompt: list[int], batches: tuple[int, ...] = 
     out = []
     for b in batches:
         spans = _window(asyncio.run(_streams(url, model, [prompt] * b, steps, api_key)))
-        out.append((b, statistics.median(s / n for s, n in spans)))  # seconds per token of one request
+        out.append((b, statistics.median(s / n for s, n, _ in spans)))  # seconds per token of one request
     return out
+
+
+def endpoint_spec_step_times(url: str, prompt: list[int], batches: tuple[int, ...], steps: int = STEPS,
+                             api_key: str | None = None) -> tuple[list[tuple[int, float]], float | None]:
+    """(b, seconds per engine step at batch b) on a speculative endpoint, after one untimed warm-up batch, and
+    the tokens a step emitted on average over the measurement (τ on these prompts; None: no step counted). A
+    request decodes `steps` · 4 tokens: several are emitted a step."""
+    model = served_model(url, api_key)
+    asyncio.run(_streams(url, model, [prompt] * max(batches), 2, api_key))
+    out, tokens, taken = [], 0, 0
+    for b in batches:
+        spans = _window(asyncio.run(_streams(url, model, [prompt] * b, steps * 4, api_key)))
+        out.append((b, statistics.median(s / k for s, _, k in spans)))  # seconds per step of one request
+        tokens, taken = tokens + sum(n for _, n, _ in spans), taken + sum(k for _, _, k in spans)
+    return out, (tokens / taken if taken else None)
 
 
 def endpoint_decode_rate(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
@@ -98,7 +121,7 @@ def endpoint_decode_rate(url: str, prompts: list[list[int]], concurrency: int, m
     model = served_model(url, api_key)
     spans = _window(asyncio.run(_streams(url, model, [prompts[i % len(prompts)] for i in range(concurrency)],
                                          max_tokens, api_key)))
-    return sum(n / s for s, n in spans)
+    return sum(n / s for s, n, _ in spans)
 
 
 def readings(fn, *args, repeats: int = READINGS, warm_up: bool = True) -> list[float]:
