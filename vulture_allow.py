@@ -39,5 +39,6 @@ _ = (
     _.relative_error, _.measured_end_to_end_speedup, _.baseline_tok_s, _.tau_in_process, _.tau_vllm, _.target_s,
     _.drafter_s, _.tau_per_k, _.break_even_concurrency, _.tau_needed, _.per_position_acceptance_per_k,
     _.live_endpoints, _.serve_with, _.acceptance_gap, _.training, _.drafts_per_k, _.step_noise, _.breaks_even,
-    _.accepted_per_output_token, _.drafter_tau, _.predicted_decision,
+    _.accepted_per_output_token, _.drafter_tau, _.predicted_decision, _.drafter_s_in_process, _.spec_step_s,
+    _.spec_tokens_per_step, _.spec_step_tau,
 )

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     # "python -m vllm.entrypoints.openai.api_server --dtype float32"). It starts the servers a job did not name an
     # endpoint for, on loopback. Only the operator sets it: a job spec never names a program (eyas.confine).
     vllm_command: str | None = None
+    # Whether the evaluator checks its serving answer live wherever it can start vLLM: auto = with vllm_command,
+    # else with the OpenAI server of vllm_python's environment (services.evaluator.launch.serving_command); off =
+    # only against the endpoints a job names (the tests' default: tests/conftest.py).
+    live_check: Literal["auto", "off"] = "auto"
 
     @field_validator("input_roots", "allowed_buckets", "allowed_endpoints", mode="before")
     @classmethod

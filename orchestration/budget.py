@@ -67,13 +67,6 @@ VAL_PASSES = 10
 # generation, where τ is bought, a third. Quiet, it takes less; under a deadline the evaluator scores what its share
 # allows.
 EVAL_SHARE = 0.2
-# Seconds `eyas run` keeps after the evaluation's deadline for the live check (--live): four vLLM starts (plain,
-# the drafter, n-gram prompt lookup, suffix decoding, which fails fast where not installed) and their runs of
-# services.evaluator.serving.LIVE_PROMPTS prompts at two concurrencies: bench/README.md § Serving prediction.
-LIVE_CHECK_S = 300.0
-# The least budget, in LIVE_CHECK_S, at which `--live auto` turns the check on: a 10-minute run on 2 cores with it
-# kept 5 minutes for the pipeline, and on a loaded host its generation answered no prompt
-LIVE_MIN_BUDGET = 4
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import shlex
 import shutil
 import time
 import typing
@@ -27,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from eyas.defaults import BUNDLED
 from eyas.methods import DEFAULT_METHOD, METHODS
+from orchestration.live_plan import LIVE_CHECK_S, LIVE_MIN_BUDGET, LIVE_TWO_CONCURRENCIES_MINUTES, LivePlan, live_plan
 
 if TYPE_CHECKING:
-    from eyas.settings import Settings
     from orchestration.budget import Done
     from orchestration.run_clock import RunClock
 
@@ -76,9 +74,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", choices=("auto", "on", "off"), default="auto",
                    help="check the serving answer on vLLM: start it serving the target plain, with the drafter and "
                    "with n-gram prompt lookup (and suffix decoding where installed), measure each on the evaluation "
-                   "prompts, and answer with the fastest; the budget keeps time for it (LIVE_CHECK_S). auto: on when "
-                   "a vLLM environment is installed (EYAS_VLLM_PYTHON, or the checkout's .venv-vllm) and the budget "
-                   "is at least LIVE_MIN_BUDGET times that: 20 minutes (default: %(default)s)")
+                   "prompts, and answer with the fastest; the budget keeps time for it "
+                   f"({LIVE_CHECK_S[(1,)]:.0f} s at concurrency 1, {LIVE_CHECK_S[(1, 4)]:.0f} s at 1 and 4 from a "
+                   f"{LIVE_TWO_CONCURRENCIES_MINUTES:g}-minute budget). auto: on wherever a vLLM environment is "
+                   "installed (EYAS_VLLM_PYTHON, or the checkout's .venv-vllm) and the budget is at least "
+                   f"{LIVE_MIN_BUDGET} times that (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of a stage's spec, e.g. train.lr=0.001, generate.sampling.temperature=0.7, "
                    "evaluate.k=4 (VALUE is JSON, else a string; repeatable; bench/ablate.py uses it)")
@@ -133,55 +133,22 @@ def apply_overrides(specs: dict[str, dict], overrides: list[str]) -> None:
         node[fields[-1]] = value
 
 
-def live_command(live: str, settings: Settings, minutes: float, method: str) -> tuple[str | None, str]:
-    """The command the evaluator starts vLLM with for the live check (Settings.vllm_command), or None, and why:
-    the operator's own command when set, else the vLLM environment's OpenAI server (fp32 and eager on a CPU, the
-    engine's defaults on a GPU)."""
-    from orchestration.budget import LIVE_CHECK_S, LIVE_MIN_BUDGET
-
-    if live == "off":
-        return None, "--live off"
-    if method == "auto":  # each drafter its own vLLM starts: more than a budget keeps
-        return None, "--method auto compares the drafters by prediction; check the chosen one with --method M"
-    python = settings.vllm_python
-    if not settings.vllm_command and (python is None or not python.exists()):
-        if live == "on":
-            raise SystemExit(f"--live on: no vLLM environment (EYAS_VLLM_PYTHON={python}): run "
-                             "scripts/install-vllm.sh, or set EYAS_VLLM_COMMAND")
-        return None, "no vLLM environment installed (scripts/install-vllm.sh)"
-    if live == "auto" and 60 * minutes < LIVE_MIN_BUDGET * LIVE_CHECK_S:
-        # at 10 minutes it would take half of the budget's pipeline, and with it the data τ is bought with
-        return None, (f"a {minutes:g}-minute budget: auto needs {LIVE_MIN_BUDGET * LIVE_CHECK_S / 60:.0f} minutes; "
-                      f"--live on forces it, keeping {LIVE_CHECK_S:.0f} s")
-    if settings.vllm_command:
-        return settings.vllm_command, f"EYAS_VLLM_COMMAND, {LIVE_CHECK_S:.0f} s kept for it"
-    from eyas.device import compute_device
-
-    cpu = compute_device(settings.device).type == "cpu"
-    # on a CPU, vLLM sizes its KV cache from a share of the host's memory and refuses to start when less than that
-    # share is free (beside this process, the target and its drafter): a fixed space, as the tests' servers have
-    kv = ["env", f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')}"] if cpu else []
-    command = [*kv, str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048", "--seed",
-               "0", *(["--dtype", "float32", "--enforce-eager"] if cpu else [])]
-    return shlex.join(command), f"vLLM from {python}, {LIVE_CHECK_S:.0f} s kept for it"
-
-
 def run_pipeline(args: argparse.Namespace) -> int:
     """The run's phases: the budget and its plan, generation, the features' policy, extraction and training,
     evaluation, and the hand-over of the drafters and the report."""
     from eyas.settings import Settings
-    from orchestration.budget import LIVE_CHECK_S
     from orchestration.embedded import EmbeddedRunner, command_line_settings
     from orchestration.run_clock import RunClock
 
     started = time.monotonic()  # the plan counts what deciding the live check and measuring took
-    command, why = live_command(args.live, Settings(), args.minutes, args.method)
-    print(f"live check on vLLM: {'on' if command else 'off'} ({why})")
+    live = live_plan(args.live, Settings(), args.minutes, args.method)
+    print(f"live check on vLLM: {'on' if live.command else 'off'} ({live.why})")
     # the live check runs after the evaluation's deadline, within the budget
-    clock = RunClock.measure(args, LIVE_CHECK_S if command else 0.0, started)
-    specs = RunSpecs.for_run(args, clock)
+    clock = RunClock.measure(args, live.reserve_s, started)
+    specs = RunSpecs.for_run(args, clock, live)
     settings = command_line_settings("generate", specs.generate, args.workdir)
-    run = _Pipeline(args, clock, specs, EmbeddedRunner(settings.model_copy(update={"vllm_command": command})))
+    run = _Pipeline(args, clock, specs, EmbeddedRunner(settings.model_copy(
+        update={"vllm_command": live.command, "live_check": "auto" if live.command else "off"})))
     generated = run.generate()
     if generated is None:
         return run.unfinished()
@@ -201,7 +168,7 @@ class RunSpecs:
     evaluate: dict[str, Any]
 
     @classmethod
-    def for_run(cls, args: argparse.Namespace, clock: RunClock) -> RunSpecs:
+    def for_run(cls, args: argparse.Namespace, clock: RunClock, live: LivePlan) -> RunSpecs:
         from orchestration.budget import DECODE_PROMPTS, MAX_EPOCHS, batches
         from services.trainer.spec import CPU_PRESET
 
@@ -221,7 +188,8 @@ class RunSpecs:
             "train": {"stage": "train", "target": args.target, **CPU_PRESET, "epochs": MAX_EPOCHS,
                       **({"steps": args.train_steps} if args.train_steps else {})},
             "evaluate": {"stage": "evaluate", "target": args.target, "num_prompts": args.eval_prompts or 80,
-                         "min_prompts": min(clock.eval_prompts, 16), "decode_prompts": DECODE_PROMPTS},
+                         "min_prompts": min(clock.eval_prompts, 16), "decode_prompts": DECODE_PROMPTS,
+                         "live_concurrencies": list(live.concurrencies)},
         }
         apply_overrides(specs, args.overrides)
         return cls(**specs)

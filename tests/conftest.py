@@ -24,6 +24,9 @@ from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, 
 # Extract jobs run the target in transformers unless a test names the vLLM engine (engine: vllm): a capture engine
 # takes ~30 s to start on 2 cores, and tests/test_vllm_capture.py proves it against this path
 os.environ["EYAS_EXTRACT_ENGINE"] = "transformers"
+# Evaluate jobs check their serving answer live only where a test asks for it (live_check auto): the checkout's
+# .venv-vllm would otherwise have every evaluation start four vLLM servers
+os.environ["EYAS_LIVE_CHECK"] = "off"
 
 
 @pytest.fixture(scope="session")

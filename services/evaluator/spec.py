@@ -2,7 +2,7 @@
 decoded, and the optional live vLLM endpoints."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -54,6 +54,10 @@ class Spec(StageSpec):
     spec_endpoint: names("endpoint") | None = Field(
         None, description="vLLM serving the target with this drafter (live A/B; EYAS_ALLOWED_ENDPOINTS)")
     concurrency: int = Field(1, ge=1, le=256, description="concurrent requests in the live A/B")
+    live_concurrencies: list[Annotated[int, Field(ge=1, le=256)]] = Field(
+        [1, 4], min_length=1, max_length=4, description="the concurrencies the serving answer is checked live at "
+        "(the drafter, plain decoding and the engine's model-free methods, each on the same prompts), when the "
+        "evaluator has vLLM at hand (both endpoints, or Settings.vllm_command)")
     compare_with: list[names("artifact")] = Field(
         [], max_length=8, description="reports (artifact URIs) of other drafters' evaluations for the same target, "
         "e.g. EAGLE-3 beside P-EAGLE: the serving section predicts each one's speed-up per concurrency from its τ(K) "
