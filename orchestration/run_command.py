@@ -298,6 +298,9 @@ class _Pipeline:
 
     def evaluate(self, drafters: list) -> list:
         """Each drafter evaluated in its share of what is left, the last report comparing them: the reports made."""
+        from services.extractor.vllm_backend import release_engine
+
+        release_engine()  # extraction is over: the capture engine's memory goes back before the live check's servers
         seconds = self.clock.replan_evaluation()
         print(f"re-plan after train: evaluate {seconds:.0f} s (at least {self.specs.evaluate['min_prompts']} prompts"
               f"{' each' if len(drafters) > 1 else ''})")

@@ -123,9 +123,9 @@ def test_tensor_parallel_capture_writes_the_transformers_artifact(data):
         ours, extra = extract(data, "vllm", "tp2", **spec, tensor_parallel_size=2)
         assert extra["compute"]["tensor_parallel_size"] == 2
     finally:  # its two worker processes go now, not at the session's end
-        if vllm_backend._engine is not None:
-            vllm_backend._engine.close()
-            vllm_backend._engine = None
+        engine = vllm_backend._engine
+        vllm_backend.release_engine()
+        assert vllm_backend._engine is None and (engine is None or engine.proc.poll() is not None)
     worst = assert_same_features(ours, reference, hidden=FAMILIES["llama3"].config["hidden_size"])
     print(f"largest per-token relative difference: {worst:.1e}")
 

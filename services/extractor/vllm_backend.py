@@ -146,6 +146,16 @@ _engine: CaptureEngine | None = None
 _lock = threading.Lock()
 
 
+def release_engine() -> None:
+    """Stop this process's capture engine, if one runs: a process that extracts no more (eyas run, past its
+    extraction) gives its memory back (the bundled target's engine held 4 GB while the run trained and evaluated)."""
+    global _engine
+    with _lock:
+        if _engine is not None:
+            _engine.close()
+            _engine = None
+
+
 def extract_with_vllm(config: EngineConfig, output_uri: str, dtype: str, shards, work: Iterable[tuple[int, str]],
                       progress: Callable[[int], None], uploaded: Uploaded | None,
                       check: Callable[[], None], log_dir: Path) -> tuple[dict[str, FileEntry], Path]:
