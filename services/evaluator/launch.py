@@ -21,14 +21,15 @@ import httpx
 from eyas.settings import Settings
 
 READY_S = 600  # a cold vLLM start compiles for minutes; fp32 eager on a CPU is ready in about one
+GPU_SHARE = 0.4  # of the GPU's memory, for a live-check server beside the evaluator's target (not measured on a GPU)
 
 
 def serving_command(settings: Settings) -> str | None:
     """The command the live check starts vLLM's OpenAI server with (None: it starts none; always with live_check
     off): the operator's vllm_command, else the server of the vLLM environment at vllm_python where it exists
     (fp32 and eager on a CPU, with a fixed KV-cache space: vLLM-CPU sizes its cache from a share of the host's
-    memory and refuses to start when less than that share is free beside this process; the engine's defaults on a
-    GPU)."""
+    memory and refuses to start when less than that share is free beside this process; on a GPU, GPU_SHARE of its
+    memory)."""
     if settings.live_check == "off" or settings.vllm_command:
         return None if settings.live_check == "off" else settings.vllm_command
     python = settings.vllm_python
@@ -38,8 +39,11 @@ def serving_command(settings: Settings) -> str | None:
 
     cpu = compute_device(settings.device).type == "cpu"
     kv = ["env", f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '2')}"] if cpu else []
+    # on a GPU the evaluator's own copy of the target stays loaded beside the server: vLLM may take a share of the
+    # GPU that leaves it room (its default, 0.9, refuses to start when that much is not free)
+    engine = ["--dtype", "float32", "--enforce-eager"] if cpu else ["--gpu-memory-utilization", str(GPU_SHARE)]
     return shlex.join([*kv, str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048",
-                       "--seed", "0", *(["--dtype", "float32", "--enforce-eager"] if cpu else [])])
+                       "--seed", "0", *engine])
 
 
 def _free_port() -> int:
