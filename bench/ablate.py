@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_variant(name: str, seed: int, minutes: float, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "orchestration.cli", "run", "--minutes", str(minutes), "--workdir",
            str(workdir / f"{name}-{seed}"), *VARIANTS[name], "--set", f"generate.synth_seed={seed}",
-           "--set", f"train.seed={seed}"]
+           "--set", f"train.seed={seed}",
+           "--live", "off"]  # the levers' τ at equal pipeline time: the live check's share would blur them
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0

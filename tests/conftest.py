@@ -76,7 +76,7 @@ def service_settings(redis_url: str, s3_endpoint: str, tmp_path: Path) -> Iterat
         # the API tests queue generate jobs without an endpoint (no worker runs them); tests/test_quotas.py checks
         # that service mode refuses them by default
         "allow_in_process_generation": "true",
-        "extract_engine": "transformers",
+        "extract_engine": "transformers", "live_check": "off",
     }
     settings = ServiceSettings(**values)
     store = S3Store(settings)
