@@ -257,7 +257,7 @@ def test_noisy_step_times_make_the_decision_cannot_tell_and_quiet_ones_decide():
                               f"{high:.2f} × (τ 1.10 from 412 drafts on 16 prompts): measure the step times on the "
                               "serving engine (--endpoint)")
     ans = reports.answer({**busy, "decision": decision(busy), "speculative_config": "{}"}, 16)
-    assert ans["next"].startswith("measure the step times on the serving engine")
+    assert ans["next"].startswith("measure on the serving engine: install vLLM")
     assert ans["breaks_even"].endswith("; within the step times' noise, though, that cannot be told at concurrency "
                                        f"{', '.join(str(b['concurrency']) for b in busy['best'] if b['pays'] is None)}")
 

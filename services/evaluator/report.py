@@ -303,8 +303,9 @@ def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:
     if first["k"] is None:
         step = f"score more prompts or longer answers: {plural(prompts, 'prompt')} gave no draft to check"
     elif first["pays"] is None:
-        step = ("measure the step times on the serving engine: give an --endpoint (a vLLM server of the target) or "
-                "set EYAS_VLLM_COMMAND; in-process times are too noisy to decide")
+        step = ("measure on the serving engine: install vLLM (scripts/install-vllm.sh; the live check then runs by "
+                "default) or give an --endpoint (a vLLM server of the target); in-process times are too noisy to "
+                "decide")
     elif not first["pays"]:
         step = ("train on more data or for longer (eyas run --minutes 30): τ rises about 0.04–0.07 for each "
                 "doubling of the prompts")
@@ -312,7 +313,8 @@ def answer(serving: dict[str, Any], prompts: int) -> dict[str, Any]:
         step = "serve it: measured live " + ", ".join(
             f"{r['measured_speedup']:.2f} × at concurrency {r['concurrency']}" for r in live)
     else:
-        step = "check it live before relying on it: give --endpoint and --spec-endpoint, or set EYAS_VLLM_COMMAND"
+        step = ("check it live before relying on it: install vLLM (scripts/install-vllm.sh; the live check then runs "
+                "by default), or give --endpoint and --spec-endpoint")
     ans = {"decision": serving["decision"], "serve": first["pays"], "speculative_config":
            serving["speculative_config"], "gains": gains, "breaks_even": break_even_text(serving), "next": step}
     return _measured_answer(ans, serving) if serving.get("served") else ans
