@@ -45,12 +45,12 @@ def trained(tmp_path_factory, bundled_features) -> dict:
     """The bundled target (whose layers' states differ enough that the drafter reads them), a drafter with EAGLE
     3.1's fc_norm and a draft vocabulary of 4,096 of its 49,152 tokens (d2t mapped), trained on its own answers to
     the prompts (the session's bundled_features, tests/conftest.py)."""
-    work = tmp_path_factory.mktemp("diagnose")
-    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp()]))
+    work, target = tmp_path_factory.mktemp("diagnose"), resolve_target(BUNDLED)
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp(), target.parent]))
     [job] = emb.run_job("train", {"features": bundled_features.features, **CPU_PRESET, "steps": 200, "warmup": 5,
                                   "val_interval": 0, "fc_norm": True})
     assert job.state == "succeeded", job.error
-    return {"emb": emb, "work": work, "target": str(resolve_target(BUNDLED)), "prompts": str(bundled_features.prompts),
+    return {"emb": emb, "work": work, "target": str(target), "prompts": str(bundled_features.prompts),
             "drafter": local_path(job.artifacts["output"])}
 
 
