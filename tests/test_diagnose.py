@@ -41,17 +41,10 @@ def _train(work: Path, target: str, kwargs: dict, steps: int, **train) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, bundled_features) -> dict:
+def trained(tmp_path_factory):
     """The bundled target (whose layers' states differ enough that the drafter reads them), a drafter with EAGLE
-    3.1's fc_norm and a draft vocabulary of 4,096 of its 49,152 tokens (d2t mapped), trained on its own answers to
-    the prompts (the session's bundled_features, tests/conftest.py)."""
-    work, target = tmp_path_factory.mktemp("diagnose"), resolve_target(BUNDLED)
-    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp(), target.parent]))
-    [job] = emb.run_job("train", {"features": bundled_features.features, **CPU_PRESET, "steps": 200, "warmup": 5,
-                                  "val_interval": 0, "fc_norm": True})
-    assert job.state == "succeeded", job.error
-    return {"emb": emb, "work": work, "target": str(target), "prompts": str(bundled_features.prompts),
-            "drafter": local_path(job.artifacts["output"])}
+    3.1's fc_norm and a draft vocabulary of 4,096 of its 49,152 tokens (d2t mapped), trained on its prompts."""
+    return _train(tmp_path_factory.mktemp("diagnose"), str(resolve_target(BUNDLED)), {}, 200, fc_norm=True)
 
 
 @pytest.fixture(scope="module")
