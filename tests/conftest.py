@@ -50,6 +50,39 @@ def vllm_url() -> Iterator[str]:
         yield url
 
 
+BUNDLED_ANSWER_TOKENS = 48  # bundled_features' answers: the longest any of its users decodes
+
+
+@dataclass(frozen=True)
+class BundledFeatures:
+    """The bundled target's greedy answers to tests.test_evaluator.PROMPTS and their features (default layout)."""
+
+    prompts: Path  # the prompt file (messages JSONL)
+    dataset: str  # the generate job's artifact URI
+    features: str  # the extract job's artifact URI
+
+
+@pytest.fixture(scope="session")
+def bundled_features(tmp_path_factory) -> BundledFeatures:
+    """One embedded generate → extract on the bundled target, shared by the tests that train a drafter on its own
+    answers to a few prompts (each its own drafter: test_vllm_spec_decode, test_aux_layers, test_evaluator) instead
+    of each generating and extracting the same again. A greedy answer cut at fewer tokens than BUNDLED_ANSWER_TOKENS
+    is this one's prefix. (test_diagnose keeps its own 32-token data: on these 48-token answers its drafter's τ
+    moved, and a reordered fc's restored τ missed the unbroken one's by 0.04, outside its 0.02.)"""
+    from eyas.settings import Settings
+    from orchestration.embedded import EmbeddedRunner
+    from tests.test_evaluator import PROMPTS, write_prompts
+
+    work = tmp_path_factory.mktemp("bundled-features")
+    prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work]))
+    jobs = emb.run_job("generate", {"prompts": str(prompts), "max_turns": 1, "then": ["extract"],
+                                    "sampling": {"max_tokens": BUNDLED_ANSWER_TOKENS, "temperature": 0.0}})
+    assert [j.state for j in jobs] == ["succeeded"] * 2, [(j.stage, j.error) for j in jobs]
+    return BundledFeatures(prompts=prompts, dataset=jobs[0].artifacts["output"],
+                           features=jobs[1].artifacts["output"])
+
+
 @dataclass
 class ServiceEnv:
     """Service-mode settings for one test: its own Redis database (flushed) and its own S3 bucket."""

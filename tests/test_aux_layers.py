@@ -22,7 +22,7 @@ from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.servers import vllm_server
-from tests.test_evaluator import PROMPTS, local_path, write_prompts
+from tests.test_evaluator import local_path
 from tests.test_vllm_spec_decode import agree
 
 K = 3
@@ -31,23 +31,14 @@ AUX = (3, 10, 20, 26)
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def drafter(tmp_path_factory, bundled_features):
+    """Trained on the session's bundled_features conversations (tests/conftest.py), extracted again with AUX."""
     work = tmp_path_factory.mktemp("eyas-aux")
-    prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
-    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work]))
-    [job] = emb.run_job("generate", {"prompts": str(prompts), "max_turns": 1,
-                                     "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0}})
-    assert job.state == "succeeded", job.error
-    return emb, job.artifacts["output"], prompts
-
-
-@pytest.fixture(scope="module")
-def drafter(dataset):
-    emb, data, prompts = dataset
-    jobs = emb.run_job("extract", {"data": data, "aux_layers": list(AUX), "then": [
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp()]))
+    jobs = emb.run_job("extract", {"data": bundled_features.dataset, "aux_layers": list(AUX), "then": [
         {"stage": "train", **CPU_PRESET, "steps": 30, "warmup": 5, "val_interval": 0}]})
     assert [j.state for j in jobs] == ["succeeded"] * 2, [(j.stage, j.error) for j in jobs]
-    return emb, jobs[-1].artifacts["output"], prompts, AUX
+    return emb, jobs[-1].artifacts["output"], bundled_features.prompts, AUX
 
 
 def test_trains_exports_and_evaluates(drafter):

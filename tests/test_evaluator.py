@@ -1,5 +1,6 @@
 """Evaluator stage: the report contract, speculative decoding that reproduces plain greedy output, and refusal of a
-mis-wired drafter. A small real pipeline (generate → extract → train, embedded) makes the drafter; no vLLM here
+mis-wired drafter. A small real pipeline (generate → extract → train, embedded; the first two shared with other
+files: tests/conftest.py's bundled_features) makes the drafter; no vLLM here
 (tests/test_vllm_spec_decode.py serves the drafter in real vLLM)."""
 from __future__ import annotations
 
@@ -48,20 +49,16 @@ def local_path(uri: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    """Embedded generate → extract → train of a small drafter on the bundled target; returns (runner, drafter URI,
-    prompt file)."""
+def pipeline(tmp_path_factory, bundled_features):
+    """A small drafter trained (embedded) on the session's bundled_features (tests/conftest.py: generate → extract
+    on the bundled target); returns (runner, drafter URI, prompt file)."""
     work = tmp_path_factory.mktemp("eyas-eval")
-    prompts = write_prompts(work / "prompts.jsonl", PROMPTS[:4])
     # the tests' own temporary directories hold the files they name
     emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp()]))
-    jobs = emb.run_job("generate", {
-        "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": 32, "temperature": 0.0},
-        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 4, "warmup": 1, "val_every": 4,
-                             "val_interval": 0}],
-    })
-    assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
-    return emb, jobs[-1].artifacts["output"], prompts
+    [job] = emb.run_job("train", {"features": bundled_features.features, **CPU_PRESET, "steps": 4, "warmup": 1,
+                                  "val_every": 4, "val_interval": 0})
+    assert job.state == "succeeded", job.error
+    return emb, job.artifacts["output"], bundled_features.prompts
 
 
 @pytest.fixture(scope="module")

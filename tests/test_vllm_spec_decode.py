@@ -1,11 +1,12 @@
 """The exported drafter in real vLLM (CPU, fp32, eager): it loads, serves, and the acceptance vLLM reports on its
 /metrics counters agrees with the in-process evaluator's on the same prompts, max_tokens and greedy decoding.
 
-One vLLM server start (module fixture). The drafter is trained here by the real pipeline (embedded generate →
-extract → train) on the target's own greedy answers to a few prompts, so it accepts many tokens on exactly those
-prompts: the agreement check runs on them (through the evaluator's functions; the evaluate stage itself refuses
-prompts the drafter was trained on). The evaluate stage then runs with the server as its live endpoint on held-out
-MT-bench prompts, and its report carries both measurements.
+One vLLM server start (module fixture). The drafter is trained here (embedded train job) on the session's
+`bundled_features` (tests/conftest.py: the target's own greedy answers to a few prompts, generated and extracted once
+for the files that train on them), so it accepts many tokens on exactly those prompts: the agreement check runs on
+them (through the evaluator's functions; the evaluate stage itself refuses prompts the drafter was trained on). The
+evaluate stage then runs with the server as its live endpoint on held-out MT-bench prompts, and its report carries
+both measurements.
 
 Tolerance: services/evaluator/specdec.py reproduces vLLM's chain proposer, verifier and counting, so in fp32 the
 two agree exactly unless a near-tie argmax flips between vLLM's and PyTorch's kernels. The tests assert
@@ -41,28 +42,26 @@ from services.evaluator.chains import drafted_ks, replay, run_lengths
 from services.evaluator.live import read_counters, timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
+from tests.conftest import BUNDLED_ANSWER_TOKENS
 from tests.servers import VLLM_PYTHON, vllm_server
-from tests.test_evaluator import PROMPTS, local_path, write_prompts
+from tests.test_evaluator import local_path
 
 pytestmark = pytest.mark.vllm
 
 K = 3
-MAX_TOKENS = 48
+MAX_TOKENS = BUNDLED_ANSWER_TOKENS
 TAU_TOLERANCE = 0.05  # relative
 POS_TOLERANCE = 0.05  # absolute, per position
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, bundled_features):
     work = tmp_path_factory.mktemp("eyas-vllm-spec")
-    prompts = write_prompts(work / "prompts.jsonl", PROMPTS)
-    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[work]))
-    jobs = emb.run_job("generate", {
-        "prompts": str(prompts), "max_turns": 1, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
-        "then": ["extract", {"stage": "train", **CPU_PRESET, "steps": 40, "warmup": 5, "val_interval": 0}],
-    })
-    assert [j.state for j in jobs] == ["succeeded"] * 3, [(j.stage, j.error) for j in jobs]
-    return emb, jobs[-1].artifacts["output"], prompts
+    emb = EmbeddedRunner(Settings(workdir=work / "eyas", input_roots=[tmp_path_factory.getbasetemp()]))
+    [job] = emb.run_job("train", {"features": bundled_features.features, **CPU_PRESET, "steps": 40, "warmup": 5,
+                                  "val_interval": 0})
+    assert job.state == "succeeded", job.error
+    return emb, job.artifacts["output"], bundled_features.prompts
 
 
 @pytest.fixture(scope="module")
