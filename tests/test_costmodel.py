@@ -122,6 +122,27 @@ def test_the_live_check_starts_vllm_wherever_it_is_installed_unless_turned_off(t
     assert serving_command(auto.model_copy(update={"vllm_python": tmp_path / "none"})) is None
 
 
+def test_the_targets_step_times_are_measured_once_a_process_until_they_age(monkeypatch):
+    """The target's in-process readings are the machine's and the network's, not a drafter's: a second evaluation
+    of the same target reuses them; other points, or readings older than READINGS_KEPT_S, are taken again."""
+    from eyas.target import BUNDLED, load_target
+    from services.evaluator import steptime
+
+    calls = []
+    step = steptime._target_step
+    monkeypatch.setattr(steptime, "_target_step", lambda *a: calls.append(1) or step(*a))
+    monkeypatch.setattr(steptime, "_READINGS", {})
+    target = load_target(BUNDLED)
+    first = steptime.target_step_times(target, (1, 2), check=lambda: None)
+    taken = len(calls)
+    assert taken == 2 * steptime.READINGS + 1  # a warm-up, then READINGS a point
+    assert steptime.target_step_times(target, (1, 2), check=lambda: None) is first and len(calls) == taken
+    steptime.target_step_times(target, (1,), check=lambda: None)  # other points: measured
+    assert len(calls) == taken + steptime.READINGS + 1
+    monkeypatch.setattr(steptime, "READINGS_KEPT_S", 0.0)  # aged: measured again
+    assert steptime.target_step_times(target, (1, 2), check=lambda: None) is not first
+
+
 def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):
     """The error names the root cause even when the server logged it far above the tail (as vLLM's engine does)."""
     script = tmp_path / "server.py"
