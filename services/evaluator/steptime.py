@@ -173,11 +173,11 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
     step needs); `check()` (a cancel) before each point. Taken again once READINGS_KEPT_S old, else this process's
     last readings of the same target."""
     key = (str(target.path), str(target.input_device), str(target.model.dtype), tokens, max_batch, context)
-    taken, readings_ = _READINGS.get(key, (-math.inf, []))
+    taken, points = _READINGS.get(key, (-math.inf, []))
     if time.monotonic() - taken > READINGS_KEPT_S:
-        readings_ = _measure_target(target, tokens, max_batch, context, check)
-        _READINGS[key] = (time.monotonic(), readings_)
-    return readings_
+        points = _measure_target(target, tokens, max_batch, context, check)
+        _READINGS[key] = (time.monotonic(), points)
+    return points
 
 
 @torch.inference_mode()
