@@ -227,21 +227,25 @@ def first_shares(seconds: dict[str, float]) -> dict[str, float]:
 
 
 def replan(left_s: float, rates: Rates, done: Done, eval_prompts: int, batch: int, stages: tuple[str, ...],
-           overlap: bool = False, eval_cap_s: float = math.inf) -> dict[str, float]:
+           overlap: bool = False, eval_cap_s: float = math.inf, train_floor_s: float = 0.0) -> dict[str, float]:
     """Seconds for each of `stages` (those still to run, of extract, train, evaluate) out of the `left_s` seconds
     left: extraction and evaluation as the (re-scaled) rates predict them for the data there is (evaluation at most
-    `eval_cap_s`), training the rest (at least a tenth of what is left). `overlap`: extraction runs beside training
-    (a streamed policy), so it takes no time of its own."""
+    `eval_cap_s`), training the rest, at least a tenth of what is left and at least `train_floor_s`; the others
+    shrink to fit what training leaves. Only training's floor may plan past the budget: the drafter is what the run
+    is for, and a stage that ran long must not leave it a step or two (bench/README.md § A budget on a busy
+    machine). `overlap`: extraction runs beside training (a streamed policy), so it takes no time of its own."""
     fixed = FIXED_S / 4
     predicted = {
         "extract": 0.0 if overlap else fixed + done.tokens / rates.forward_tok_s,
         "evaluate": min(eval_cap_s, stage_seconds(rates, 0, ANSWER_TOKENS, eval_prompts, batch)["evaluate"]),
     }
     out = {s: predicted[s] for s in stages if s in predicted}
+    train = max(train_floor_s, 0.1 * left_s, left_s - sum(out.values())) if "train" in stages else 0.0
+    scale = min(1.0, max(0.0, left_s - train) / max(sum(out.values()), 1e-9))
+    out = {s: v * scale for s, v in out.items()}
     if "train" in stages:
-        out["train"] = max(0.1 * left_s, left_s - sum(out.values()))
-    scale = min(1.0, left_s / max(sum(out.values()), 1e-9))  # nothing plans past the budget
-    return {s: out[s] * scale for s in stages if s in out}
+        out["train"] = train
+    return {s: out[s] for s in stages if s in out}
 
 
 def describe_seconds(seconds: dict[str, float]) -> str:

