@@ -232,8 +232,9 @@ def replan(left_s: float, rates: Rates, done: Done, eval_prompts: int, batch: in
     left: extraction and evaluation as the (re-scaled) rates predict them for the data there is (evaluation at most
     `eval_cap_s`), training the rest, at least a tenth of what is left and at least `train_floor_s`; the others
     shrink to fit what training leaves. Only training's floor may plan past the budget: the drafter is what the run
-    is for, and a stage that ran long must not leave it a step or two (bench/README.md § A budget on a busy
-    machine). `overlap`: extraction runs beside training (a streamed policy), so it takes no time of its own."""
+    is for, and a stage that ran long must not leave it a step or two
+    (bench/README.md § A budget on a busy machine). `overlap`: extraction runs beside training (a streamed policy),
+    so it takes no time of its own."""
     fixed = FIXED_S / 4
     predicted = {
         "extract": 0.0 if overlap else fixed + done.tokens / rates.forward_tok_s,
