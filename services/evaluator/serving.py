@@ -91,7 +91,7 @@ def measure_steps(target, drafter, method: DraftingMethod, prompt: list[int], en
     source["drafter"] = f"draft step at batch b, {in_process} (not inside the engine)"
     drafter_noise = noise(drafter_readings)
     times = costmodel.StepTimes(target=target_points, drafter=fastest(drafter_readings),
-                                parallel=method.parallel)
+                                parallel=method.parallel, engine=endpoint is not None)
     return times, noise_bounds(times, target_noise, drafter_noise), {
         "source": source, "target_s": target_points, "drafter_s": times.drafter,
         "step_noise": {"target": target_noise, "drafter": drafter_noise}}
