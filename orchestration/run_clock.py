@@ -100,13 +100,14 @@ class RunClock:
     def replan(self, after: Any, done: Done, stages: tuple[str, ...], overlap: bool = False) -> dict[str, float]:
         """Seconds for each of `stages` out of what is left, at the machine's speed so far; printed, and kept for the
         summary. `after` is the job of the stage that just ended."""
-        left = replan(self.left(), self.machine, done, self.eval_prompts, self.batch, stages, overlap=overlap,
+        left_s = self.left()
+        left = replan(left_s, self.machine, done, self.eval_prompts, self.batch, stages, overlap=overlap,
                       eval_cap_s=self.eval_cap, train_floor_s=self.train_floor)
         self.replanned.update(left)
         ratio = self.machine.forward_tok_s / self.rates.forward_tok_s
         self.replans.append({"after": after.stage, "took_s": took(after), "conversations": done.samples,
                              "machine_ratio": ratio, "seconds": left})
-        over = sum(left.values()) - self.left()
+        over = sum(left.values()) - left_s  # only training's floor plans past what is left
         late = f" (training keeps its planned {self.train_floor:.0f} s: the run ends about {over:.0f} s late)" \
             if over > 1 else ""
         print(f"re-plan after {after.stage} ({took(after):.0f} s, {done.samples} conversations; the machine ran "
