@@ -123,25 +123,35 @@ def test_the_live_check_starts_vllm_wherever_it_is_installed_unless_turned_off(t
     assert serving_command(auto.model_copy(update={"vllm_python": tmp_path / "none"})) is None
 
 
-def test_the_targets_step_times_are_measured_once_a_process_until_they_age(monkeypatch):
-    """The target's in-process readings are the machine's and the network's, not a drafter's: a second evaluation
-    of the same target reuses them; other points, or readings older than READINGS_KEPT_S, are taken again."""
+def test_the_targets_step_times_are_kept_for_the_next_evaluation_until_they_age(monkeypatch, tmp_path):
+    """The target's in-process readings are the machine's and the architecture's, not a drafter's: a second
+    evaluation of the same target reuses them from the cache directory (in this process or another); other points,
+    readings older than READINGS_KEPT_S or a damaged file are taken again."""
     from eyas.target import BUNDLED, load_target
     from services.evaluator import steptime
 
     calls = []
     step = steptime._target_step
     monkeypatch.setattr(steptime, "_target_step", lambda *a: calls.append(1) or step(*a))
-    monkeypatch.setattr(steptime, "_READINGS", {})
     target = load_target(BUNDLED)
-    first = steptime.target_step_times(target, (1, 2), check=lambda: None)
+
+    def times(points=(1, 2)):
+        return steptime.target_step_times(target, points, cache_dir=tmp_path, check=lambda: None)
+
+    first = times()
     taken = len(calls)
     assert taken == 2 * steptime.READINGS + 1  # a warm-up, then READINGS a point
-    assert steptime.target_step_times(target, (1, 2), check=lambda: None) is first and len(calls) == taken
-    steptime.target_step_times(target, (1,), check=lambda: None)  # other points: measured
+    [kept] = (tmp_path / "step-times").iterdir()
+    assert times() == first and len(calls) == taken  # read back, not measured
+    times((1,))  # other points: measured
     assert len(calls) == taken + steptime.READINGS + 1
-    monkeypatch.setattr(steptime, "READINGS_KEPT_S", 0.0)  # aged: measured again
-    assert steptime.target_step_times(target, (1, 2), check=lambda: None) is not first
+    for age_limit, damage in ((0.0, False), (3600.0, True)):  # aged, then a damaged file: measured again
+        monkeypatch.setattr(steptime, "READINGS_KEPT_S", age_limit)
+        if damage:
+            kept.write_text("{not json")
+        before = len(calls)
+        assert times() and len(calls) == before + 2 * steptime.READINGS + 1
+    assert len(list((tmp_path / "step-times").iterdir())) == 2  # no partial file left behind
 
 
 def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):

@@ -410,7 +410,7 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     with contextlib.ExitStack() as servers:
         endpoint = spec.endpoint or (start() if command else None)
         times, bounds, measured = serving.measure_steps(subject.target, drafter, method, prompts[0].ids, endpoint,
-                                                        api_key, ctx.check)
+                                                        api_key, ctx.settings.cache_dir, ctx.check)
         out = {**measured, **serving.predict(times, bounds, per_k, len(prompts), model, method, spec.k)}
         if spec.compare_with:
             out["methods"] = serving.compare_methods(times.target, [

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 from eyas.methods import DraftingMethod, get_method
 from services.evaluator import costmodel, steptime
@@ -70,11 +71,12 @@ def noise_bounds(times: costmodel.StepTimes, target_noise: list[tuple[int, float
 
 
 def measure_steps(target, drafter, method: DraftingMethod, prompt: list[int], endpoint: str | None,
-                  api_key: str | None, check: Callable[[], None]
+                  api_key: str | None, cache_dir: Path, check: Callable[[], None]
                   ) -> tuple[costmodel.StepTimes, tuple[costmodel.StepTimes, costmodel.StepTimes], dict]:
-    """Step times on the endpoint when given (else the target in-process) and the drafter's in-process, the bounds
-    their noise allows, and what the report says of them; `method`, the drafter's (a parallel drafter drafts K
-    tokens in one forward); `check()` (a cancel) between the points."""
+    """Step times on the endpoint when given (else the target in-process, kept under `cache_dir` for the next
+    evaluation of it on this machine) and the drafter's in-process, the bounds their noise allows, and what the
+    report says of them; `method`, the drafter's (a parallel drafter drafts K tokens in one forward); `check()` (a
+    cancel) between the points."""
     drafter_readings = steptime.drafter_step_times(drafter, check=check)
     check()
     in_process = f"in-process on this machine, fastest of {steptime.READINGS} readings"
@@ -84,7 +86,7 @@ def measure_steps(target, drafter, method: DraftingMethod, prompt: list[int], en
         source = {"target": f"vLLM endpoint {endpoint}: decode step at batch b (streamed, ignore_eos), the median "
                             "over the batch's streams"}
     else:
-        readings = steptime.target_step_times(target, TOKENS, check=check)
+        readings = steptime.target_step_times(target, TOKENS, cache_dir=cache_dir, check=check)
         target_points, target_noise = fastest(readings), noise(readings)
         source = {"target": f"in-process transformers forward over n tokens after {steptime.CONTEXT} cached "
                             f"({target.name}), {in_process}, not the serving engine"}

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -159,24 +163,45 @@ def _hybrid(config) -> bool:
     return "linear_attention" in (getattr(config, "layer_types", None) or [])
 
 
-# The target's in-process readings, per target, device, dtype and points, with when they were taken: they are the
-# machine's and the network's, not a drafter's, so a process measures them once an hour (eyas run --method auto
-# evaluates three drafters of one target; a worker, every evaluation of it; the suite, a dozen)
-_READINGS: dict[tuple, tuple[float, list[tuple[int, list[float]]]]] = {}
+# The target's in-process readings are the machine's and the architecture's, not a drafter's: they are kept in a file
+# under the cache directory, per architecture (the config hash), precision, device, points and host, and taken again
+# once READINGS_KEPT_S old. The next evaluation of the same target on this machine reuses them, in this process or
+# another: eyas run --method auto evaluates three drafters, a worker every job, a second eyas run within the hour.
 READINGS_KEPT_S = 3600.0
 
 
+def _readings_file(target: Target, tokens: tuple[int, ...], max_batch: int, context: int, cache_dir: Path) -> Path:
+    key = [target.config_hash, target.precision, str(target.input_device), list(tokens), max_batch, context,
+           platform.node(), os.cpu_count(), torch.__version__]
+    return cache_dir / "step-times" / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
+
+
+def _kept_readings(path: Path, tokens: tuple[int, ...]) -> list[tuple[int, list[float]]] | None:
+    """The readings in `path` while younger than READINGS_KEPT_S (None: none, aged, or unreadable)."""
+    try:
+        kept = json.loads(path.read_text())
+        points = [(int(n), [float(t) for t in r]) for n, r in kept["points"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fresh = 0 <= time.time() - float(kept.get("taken", -math.inf)) <= READINGS_KEPT_S
+    return points if fresh and tuple(n for n, _ in points) == tokens else None
+
+
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
-                      context: int = CONTEXT, *, check: Callable[[], None]) -> list[tuple[int, list[float]]]:
+                      context: int = CONTEXT, *, cache_dir: Path,
+                      check: Callable[[], None]) -> list[tuple[int, list[float]]]:
     """(n, READINGS readings, fastest first, of one target forward over n new tokens) in-process: b = min(n,
     max_batch) sequences of n / b tokens each after `context` cached tokens, logits for every new token (as a verify
-    step needs); `check()` (a cancel) before each point. Taken again once READINGS_KEPT_S old, else this process's
-    last readings of the same target."""
-    key = (str(target.path), str(target.input_device), str(target.model.dtype), tokens, max_batch, context)
-    taken, points = _READINGS.get(key, (-math.inf, []))
-    if time.monotonic() - taken > READINGS_KEPT_S:
+    step needs); `check()` (a cancel) before each point. The readings kept under `cache_dir` for this target and
+    machine when younger than READINGS_KEPT_S, else taken now and kept there."""
+    path = _readings_file(target, tokens, max_batch, context, cache_dir)
+    points = _kept_readings(path, tokens)
+    if points is None:
         points = _measure_target(target, tokens, max_batch, context, check)
-        _READINGS[key] = (time.monotonic(), points)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # another process may write the same file
+        partial.write_text(json.dumps({"taken": time.time(), "target": target.name, "points": points}))
+        os.replace(partial, path)
     return points
 
 
