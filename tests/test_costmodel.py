@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from services.evaluator import alternatives
 from services.evaluator import report as reports
 from services.evaluator.chains import chain_acceptance, replay
 from services.evaluator.costmodel import StepTimes, decision, interpolate, recommend
-from services.evaluator.launch import serving_command, vllm
+from services.evaluator.launch import has_module, serving_command, vllm
 from services.evaluator.serving import engine_draft_times, fastest, noise, noise_bounds, predict
 from services.evaluator.steptime import readings
 
@@ -448,3 +449,21 @@ def test_a_free_method_whose_server_does_not_start_is_a_row_not_an_error(tmp_pat
                      "config": alternatives.FREE_METHODS["suffix"], "tok_s": None, "speedup": None, "tau": None,
                      "accepted_per_output_token": None, "why": rows[0]["why"]}]
     assert "root cause: ImportError: Arctic Inference is required" in rows[0]["why"]
+
+
+def test_a_free_method_whose_module_the_engine_lacks_is_a_row_without_a_start():
+    """Suffix decoding needs arctic-inference in the engine's environment: where the engine's Python is known to lack
+    it, no server is started for it (a failed start costs vLLM's imports); where it is not known (a container), the
+    start is tried."""
+    python = shlex.join(["env", "VLLM_CPU_KVCACHE_SPACE=2", sys.executable, "-m", "vllm.entrypoints.openai.api_server"])
+    assert has_module(python, "json") is True and has_module(python, "no_such_module_here") is False
+    assert has_module("docker run --rm vllm/vllm-openai", "json") is None
+
+    def start(config):
+        raise AssertionError(f"started {config}")
+
+    rows = alternatives.measure_free([], 8, {1: 20.0}, start, None, lambda: None,
+                                     methods={"suffix": alternatives.FREE_METHODS["suffix"]},
+                                     has_module=lambda module: has_module(python, module + "_not_here"))
+    assert [(r["method"], r["served"]) for r in rows] == [("suffix", False)]
+    assert "needs the arctic_inference package" in rows[0]["why"]

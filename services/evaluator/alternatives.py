@@ -24,6 +24,9 @@ FREE_METHODS: dict[str, dict] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
 }
+# The module a method needs in the engine's environment beyond vLLM: where that environment is known to lack it, the
+# row says so without a start (a start that fails still costs vLLM's imports, 10-20 s on a CPU)
+NEEDS = {"suffix": "arctic_inference"}
 LABELS = {"plain": "plain decoding", "drafter": "this drafter", "ngram": "n-gram prompt lookup",
           "suffix": "suffix decoding"}
 # τ gained per doubling of the training prompts, low and high: bench/README.md § A budget on a busy machine
@@ -32,13 +35,20 @@ TAU_PER_DOUBLING = (0.04, 0.07)
 
 def measure_free(prompts: list[PromptIds], max_tokens: int, baseline_tok_s: dict[int, float],
                  start: Callable[[dict], AbstractContextManager[str]], api_key: str | None, check: Callable[[], None],
-                 methods: dict[str, dict] = FREE_METHODS) -> list[dict]:
+                 methods: dict[str, dict] = FREE_METHODS,
+                 has_module: Callable[[str], bool | None] = lambda _module: None) -> list[dict]:
     """Each model-free method served by `start(speculative_config)` (yields its base URL) and timed at each
     concurrency of `baseline_tok_s` (concurrency → the plain server's tokens/s); a method whose server does not
-    start gets one row with `served` false and the engine's reason."""
+    start, or whose module (NEEDS) the engine's environment lacks (`has_module` False; None: not known), gets one row
+    with `served` false and the reason."""
     rows = []
     for name, config in methods.items():
         check()
+        needed = NEEDS.get(name)
+        if needed and has_module(needed) is False:
+            rows.append(_not_served(name, config, f"not started: {LABELS.get(name, name)} needs the {needed} "
+                                                  "package, which the engine's environment does not have"))
+            continue
         try:
             with start(config) as url:
                 for c, plain in baseline_tok_s.items():
@@ -51,10 +61,13 @@ def measure_free(prompts: list[PromptIds], max_tokens: int, baseline_tok_s: dict
                                      run["accepted"] / run["tokens"] if run["tokens"] else None,
                                  "why": None})
         except NotServing as e:  # its log's root cause
-            rows.append({"method": name, "served": False, "concurrency": None, "config": config, "tok_s": None,
-                         "speedup": None, "tau": None, "accepted_per_output_token": None,
-                         "why": str(e).split("\n", 1)[0][-400:]})
+            rows.append(_not_served(name, config, str(e).split("\n", 1)[0][-400:]))
     return rows
+
+
+def _not_served(name: str, config: dict, why: str) -> dict:
+    return {"method": name, "served": False, "concurrency": None, "config": config, "tok_s": None, "speedup": None,
+            "tau": None, "accepted_per_output_token": None, "why": why}
 
 
 def choose(live_check: list[dict], free: list[dict]) -> list[dict]:

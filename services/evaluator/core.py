@@ -430,7 +430,7 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
         out["alternatives"] = alternatives.measure_free(
             prompts[:serving.LIVE_PROMPTS], _live_tokens(spec), baseline,
             lambda config: launch.vllm(command, resolve_target(spec.target), config, check=ctx.check),
-            api_key, ctx.check)
+            api_key, ctx.check, has_module=lambda module: launch.has_module(command, module))
         out["served"] = alternatives.choose(out["live_check"], out["alternatives"])
         out["predicted_decision"], out["decision"] = out["decision"], alternatives.served_decision(out["served"][0])
     if live_error:

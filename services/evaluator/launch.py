@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,23 @@ def serving_command(settings: Settings) -> str | None:
     engine = ["--dtype", "float32", "--enforce-eager"] if cpu else ["--gpu-memory-utilization", str(GPU_SHARE)]
     return shlex.join([*kv, str(python), "-m", "vllm.entrypoints.openai.api_server", "--max-model-len", "2048",
                        "--seed", "0", *engine])
+
+
+def has_module(command: str, module: str) -> bool | None:
+    """Whether the Python `command` runs (its first word after `env` and NAME=value words) can import `module`; None
+    where that is not known here (no Python this process can start: a container, a wrapper script)."""
+    words = shlex.split(command)
+    while words and (words[0] == "env" or re.fullmatch(r"[A-Za-z_]\w*=.*", words[0])):
+        words = words[1:]
+    program = shutil.which(words[0]) if words else None
+    if program is None or not Path(words[0]).name.startswith("python"):
+        return None
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+    try:
+        done = subprocess.run([program, "-c", probe, module], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {0: True, 3: False}.get(done.returncode)
 
 
 def _free_port() -> int:
