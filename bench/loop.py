@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import shutil
 import sys
 import time
@@ -36,8 +35,6 @@ from urllib.parse import unquote, urlparse
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from serving import DEFAULT_COMMAND  # noqa: E402  (bench/serving.py: vLLM-CPU in fp32, eager)
 
 from eyas.datasets import read_conversations  # noqa: E402
 from eyas.manifest import read_manifest  # noqa: E402
@@ -56,6 +53,7 @@ from orchestration.run_clock import took  # noqa: E402
 from orchestration.watch.settings import WatchSettings  # noqa: E402
 from orchestration.watch.watch import open_watch  # noqa: E402
 from services.evaluator import launch  # noqa: E402
+from services.evaluator.wiring import WiringMismatch  # noqa: E402
 from services.generator.task_mix import TASK_OPENERS  # noqa: E402
 from services.trainer.spec import CPU_PRESET  # noqa: E402
 from tests.test_proxy import serving  # noqa: E402  (uvicorn in a thread on a free loopback port)
@@ -167,19 +165,23 @@ def main() -> None:
                     "refresh draws its budget from them, weighted toward low acceptance (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="refreshes, each with its own draw and seed (default: "
                     "%(default)s)")
-    ap.add_argument("--vllm-command", default=DEFAULT_COMMAND, help="how to start vLLM; empty: no serving parts")
+    ap.add_argument("--vllm-command", default=launch.serving_command(Settings()) or "",
+                    help="how to start vLLM (default: the live check's, from the checkout's .venv-vllm); empty: no "
+                    "serving parts")
     ap.add_argument("--workdir", type=Path, default=Path("eyas-loop"))
     args = ap.parse_args()
     if args.workdir.exists():
         raise SystemExit(f"{args.workdir} exists: give a new --workdir")
     args.workdir = args.workdir.resolve()  # the jobs read the prompt files written under it
-    serve = bool(args.vllm_command) and Path(shlex.split(args.vllm_command)[0]).exists()
-    settings = Settings(workdir=args.workdir / "eyas", input_roots=[args.workdir])
+    serve = bool(args.vllm_command)
+    # the evaluations score τ only: no live check of each (the serving parts here are the watch's)
+    settings = Settings(workdir=args.workdir / "eyas", input_roots=[args.workdir], live_check="off")
     emb, store = EmbeddedRunner(settings), LocalStore(settings.store_root)
     t0, out = time.monotonic(), {"args": {k: str(v) for k, v in vars(args).items()}}
 
-    def say(line: str) -> None:
+    def say(line: str) -> None:  # and what is measured so far, kept
         print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True)
+        (args.workdir / "loop.json").write_text(json.dumps(out, indent=1, default=str))
 
     # the first drafter, trained on A; held-out A prompts (none near one it trained on); the B traffic
     jobs = synthesize(emb, "A", args.prompts, 0, args.max_tokens, [
@@ -238,6 +240,7 @@ def main() -> None:
         changed = changed_target(args.workdir / "changed-target")
         with served(args.vllm_command, changed, drafter0) as url:
             _, status = watched(url, drafter0, tau_a, "change", settings, store)  # one check
+        say(f"changed target, the watch's first check: {status.sentence}")
         rs = RefreshSettings(name="change", drafter=drafter0, target=str(changed), prompts=args.budget,
                              pool=args.pool, heldout_max=args.heldout, max_tokens=args.max_tokens,
                              eval_max_tokens=args.eval_tokens, k=K, steps=args.refresh_steps,
@@ -247,17 +250,16 @@ def main() -> None:
             old = evaluate(emb, drafter0, record["heldout_prompts"], record["data"]["heldout"], args.eval_tokens,
                            str(changed))
             old = f"{old:.3f}"
-        except SystemExit as e:
+        except (SystemExit, WiringMismatch) as e:  # the evaluator refuses a drafter trained for another target
             old = f"not scored: {e}"
         out["target_change"] = {"first_drafter_tau": old, "state": status.state, "sentence": status.sentence,
                                 "checks": [c.__dict__ for c in status.checks], "start": record["change"]["start"],
                                 "why": record["change"]["why"], "tau": record["candidate"]["tau"],
                                 "heldout": record["data"]["heldout"], "promoted": record["promoted"],
                                 "train_s": took(emb.jobs.get(record["change"]["train_job"]))}
-        say(f"changed target: {status.sentence}\n        refresh ({record['change']['start']}): τ "
+        say(f"changed target, refresh ({record['change']['start']}): τ "
             f"{record['candidate']['tau']:.3f} on {record['data']['heldout']} held-out B prompts under it (the first "
             f"drafter: {old})")
-    (args.workdir / "loop.json").write_text(json.dumps(out, indent=1, default=str))
     say(f"written {args.workdir / 'loop.json'}")
 
 
