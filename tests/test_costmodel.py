@@ -397,6 +397,21 @@ def test_a_free_method_that_beats_the_drafter_is_the_answer_with_the_tau_the_dra
     assert alternatives.served_decision(slow).startswith("serve plain decoding: nothing measured was faster")
 
 
+def test_a_drafter_measured_fastest_is_served_at_the_k_that_was_measured():
+    """After the live check the prediction is made again from the engine's times, and may name another K than the
+    one the speculative server ran; the answer's --speculative-config is the measured one."""
+    report = _measured_report(recommend(ENGINE, GOOD))
+    serving = report["serving"]
+    live = {**LIVE_C1, "k": 2, "measured_end_to_end_speedup": 1.4}
+    served = alternatives.choose([live], [NGRAM_C1])
+    serving.update(live_check=[live], alternatives=[NGRAM_C1], served=served, decision=alternatives.served_decision(
+        served[0]))
+    answer = reports.answer(serving, 16)
+    assert answer["serve"] is True and json.loads(serving["speculative_config"])["num_speculative_tokens"] == 3
+    assert json.loads(answer["speculative_config"]) == {**json.loads(serving["speculative_config"]),
+                                                        "num_speculative_tokens": 2}
+
+
 def test_the_report_answers_with_what_was_measured_fastest_and_lists_every_method():
     rec = recommend(ENGINE, GOOD)
     report = _measured_report(rec)

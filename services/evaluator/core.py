@@ -417,12 +417,13 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
                 {"method": method.name, "drafter": subject.uri, "tau_per_k": out["tau_per_k"],
                  "drafter_s": times.drafter},
                 *(_compared(uri, ctx) for uri in spec.compare_with)])
-        spec_endpoint = spec.spec_endpoint
+        spec_endpoint, spec_k = spec.spec_endpoint, None
         if command and not spec_endpoint:
-            config = method.speculative_config(str(subject.local / served), out["best"][0]["k"] or spec.k)
+            spec_k = out["best"][0]["k"] or spec.k
+            config = method.speculative_config(str(subject.local / served), spec_k)
             spec_endpoint = start(config) if endpoint else None
         if endpoint and spec_endpoint:
-            _check_live(out, spec, endpoint, spec_endpoint, replayed, times, api_key, ctx.check,
+            _check_live(out, spec, endpoint, spec_endpoint, spec_k, replayed, times, api_key, ctx.check,
                         lambda t: serving.predict(t, (t, t), per_k, len(prompts), model, method, spec.k))
     if command and out.get("live_check"):
         # after the drafter's servers stopped: one vLLM at a time on the host
@@ -438,13 +439,14 @@ def _serving(spec: Spec, ctx: StageContext, subject: Subject, drafter: Drafter, 
     return out
 
 
-def _check_live(out: dict, spec: Spec, endpoint: str, spec_endpoint: str, replayed: Replayed,
-                times: costmodel.StepTimes, api_key: str | None, check: Check,
+def _check_live(out: dict, spec: Spec, endpoint: str, spec_endpoint: str, spec_k: int | None,
+                replayed: Replayed, times: costmodel.StepTimes, api_key: str | None, check: Check,
                 predict: Callable[[costmodel.StepTimes], dict]) -> None:
-    """Into `out`: the servers checked against, the drafter's cost measured in the engine now that it serves
-    (serving.engine_steps) with the prediction made again from the engine's times alone (the in-process draft times
-    stay beside), and the live A/B at the spec's concurrencies against that prediction."""
-    out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint,
+    """Into `out`: the servers checked against (and the K the speculative one was started at, None: the job's), the
+    drafter's cost measured in the engine now that it serves (serving.engine_steps) with the prediction made again
+    from the engine's times alone (the in-process draft times stay beside), and the live A/B at the spec's
+    concurrencies against that prediction."""
+    out["live_endpoints"] = {"endpoint": endpoint, "spec_endpoint": spec_endpoint, "spec_k": spec_k,
                              "started": [name for name, given in (("plain", spec.endpoint),
                                                                   ("spec", spec.spec_endpoint)) if not given]}
     check()

@@ -257,6 +257,8 @@ class TauNeeded(_Model):
 class LiveEndpoints(_Model):
     endpoint: str
     spec_endpoint: str
+    spec_k: int | None = Field(None, description="the K the evaluator started the speculative server at (the one "
+                               "recommended before the drafter's cost was measured in the engine); null: the job's")
     started: list[str] = Field(description="those the evaluator started and stopped (plain, spec)")
 
 

@@ -326,6 +326,11 @@ def _measured_answer(ans: dict[str, Any], serving: dict[str, Any]) -> dict[str, 
     best, c = choice["fastest"], choice["concurrency"]
     ans["serve"] = best == "drafter"
     if best == "drafter":
+        # serve the K that was measured: the prediction made again from the engine's times may name another one
+        measured_k = next((r["k"] for r in serving["live_check"] if r["concurrency"] == c), None)
+        config = json.loads(ans["speculative_config"])
+        if measured_k is not None and config.get("num_speculative_tokens") != measured_k:
+            ans["speculative_config"] = json.dumps({**config, "num_speculative_tokens": measured_k})
         ans["next"] = f"serve it: fastest measured at concurrency {c}"
     elif best == "plain":
         ans["next"] = ("serve the target without speculation for now; train the drafter on more data or for longer "
