@@ -127,7 +127,8 @@ def test_the_live_check_starts_vllm_wherever_it_is_installed_unless_turned_off(t
 def test_the_targets_step_times_are_kept_for_the_next_evaluation_until_they_age(monkeypatch, tmp_path):
     """The target's in-process readings are the machine's and the architecture's, not a drafter's: a second
     evaluation of the same target reuses them from the cache directory (in this process or another); other points,
-    readings older than READINGS_KEPT_S or a damaged file are taken again."""
+    readings older than READINGS_KEPT_S or a damaged file are taken again; a cache that cannot be written is
+    only not kept."""
     from eyas.target import BUNDLED, load_target
     from services.evaluator import steptime
 
@@ -153,6 +154,11 @@ def test_the_targets_step_times_are_kept_for_the_next_evaluation_until_they_age(
         before = len(calls)
         assert times() and len(calls) == before + 2 * steptime.READINGS + 1
     assert len(list((tmp_path / "step-times").iterdir())) == 2  # no partial file left behind
+    blocked = tmp_path / "a-file"  # a cache directory that cannot be made: measured, not kept, no error
+    blocked.write_text("")
+    before = len(calls)
+    assert steptime.target_step_times(target, (1,), cache_dir=blocked, check=lambda: None)
+    assert len(calls) == before + steptime.READINGS + 1
 
 
 def test_a_vllm_command_that_exits_fails_with_its_log(tmp_path: Path):

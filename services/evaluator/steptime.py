@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -43,6 +44,8 @@ import torch
 from eyas.methods import method_of_drafter
 from eyas.target import Target
 from services.evaluator.live import auth_headers, served_model
+
+log = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 128  # tokens already in the KV cache when a step runs (a typical prompt)
@@ -198,10 +201,13 @@ def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = 
     points = _kept_readings(path, tokens)
     if points is None:
         points = _measure_target(target, tokens, max_batch, context, check)
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # another process may write the same file
-        partial.write_text(json.dumps({"taken": time.time(), "target": target.name, "points": points}))
-        os.replace(partial, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"taken": time.time(), "target": target.name, "points": points}))
+            os.replace(partial, path)
+        except OSError as e:  # a cache that cannot be written costs the next evaluation a measurement, no more
+            log.warning("step times not kept under %s: %s", cache_dir, e)
     return points
 
 
