@@ -56,13 +56,14 @@ FALLEN = [100, 30, 10]  # per 500 drafts: τ 1.28, under the floor 1.8 (0.9 × t
 
 
 @pytest.fixture(scope="module")
-def rendered() -> tuple[Path, list[int]]:
-    """The bundled target and the probe as its tokenizer renders it (what the fake endpoint answers /tokenize)."""
+def rendered() -> tuple[Path, dict[str, list[int]]]:
+    """The bundled target and the probes as its tokenizer renders them (what the fake endpoint answers /tokenize,
+    with the probe's system turn and without)."""
     from eyas.render import render_prompt
-    from services.generator.endpoint_check import PROBE
+    from orchestration.watch.identity import PROBES
 
-    target = bundled_target_dir()
-    return target, render_prompt(load_tokenizer(str(target)), PROBE)
+    target, tokenizer = bundled_target_dir(), load_tokenizer(str(bundled_target_dir()))
+    return target, {"tokens": render_prompt(tokenizer, PROBES[0]), "bare": render_prompt(tokenizer, PROBES[1])}
 
 
 class Line:
@@ -109,8 +110,8 @@ class Line:
 @pytest.fixture
 def served(rendered):
     """(the fake endpoint's state, its URL, the served target's listing)"""
-    target, tokens = rendered
-    state = {"models": [{"id": "smol", "root": str(target)}], "tokens": tokens}
+    target, renderings = rendered
+    state = {"models": [{"id": "smol", "root": str(target)}], **renderings}
     with fake_endpoint(state) as url:
         yield state, url
 

@@ -18,7 +18,7 @@ from eyas.render import render_prompt
 from eyas.store import LocalStore
 from eyas.target import bundled_target_dir, config_hash, load_tokenizer, tokenizer_hash
 from orchestration.cli import main
-from orchestration.watch.identity import Reference, Served, target_checks
+from orchestration.watch.identity import PROBES, Reference, Served, build_reference, target_checks
 from orchestration.watch.series import Series
 from orchestration.watch.settings import WatchSettings
 from orchestration.watch.status import (
@@ -132,7 +132,7 @@ def test_a_changed_chat_template_or_model_name_is_a_stale_target():
     first_run = target_checks(ref, _served([1, 2, 3, 4]), {})
     assert [c.state for c in first_run] == [NOT_CHECKED, SAME, NOT_CHECKED]  # nothing listed earlier; no config
     assert judge(good, LEVEL, first_run, 3, 100, 0.0).state == CURRENT
-    seen = {"models": ["m"], "tokens": [1, 2, 3, 4]}
+    seen = {"models": ["m"], "probe_tokens": [1, 2, 3, 4]}
     template = target_checks(ref, _served([1, 2, 9, 4]), seen)
     assert [c.state for c in template] == [SAME, CHANGED, NOT_CHECKED]
     status = judge(good, LEVEL, template, 3, 100, 0.0)  # good acceptance does not hide it
@@ -225,9 +225,10 @@ class FakeEndpoint(BaseHTTPRequestHandler):
         else:
             self._send(json.dumps({"data": self.state["models"]}).encode(), "application/json")
 
-    def do_POST(self):
-        self.rfile.read(int(self.headers["content-length"]))
-        self._send(json.dumps({"tokens": self.state["tokens"]}).encode(), "application/json")
+    def do_POST(self):  # /tokenize: the probe with its system turn, or without one (`bare`)
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        system = any(m["role"] == "system" for m in body["messages"])
+        self._send(json.dumps({"tokens": self.state["tokens" if system else "bare"]}).encode(), "application/json")
 
     def log_message(self, *args):
         pass
@@ -261,7 +262,8 @@ def test_watch_once_against_a_fake_endpoint(tmp_path, capsys):
     uri = _drafter(store, target, tokenizer)
     _report(store, "eva-w", uri, 1.0, acceptance_length=2.1, live_acceptance_length=2.0)  # floor 1.8
     rendered = render_prompt(tokenizer, PROBE)
-    state = {"metrics": metrics(1000, GOOD), "models": [{"id": "smol", "root": str(target)}], "tokens": rendered}
+    state = {"metrics": metrics(1000, GOOD), "models": [{"id": "smol", "root": str(target)}], "tokens": rendered,
+             "bare": render_prompt(tokenizer, PROBES[1])}
     work = tmp_path / "work"
     with fake_endpoint(state) as url:
         def once(drafter: Path = store / "drafters" / "tra-w") -> tuple[int, str]:
@@ -292,3 +294,23 @@ def test_watch_once_against_a_fake_endpoint(tmp_path, capsys):
     assert [(p.drafts, p.since_start) for p in series.points()] == [(1000, True), (500, False), (0, False),
                                                                     (1000, False)]
     assert series.status()["state"] == STALE
+
+
+def test_a_changed_default_system_prompt_is_a_changed_rendering():
+    """A template's default system prompt renders only where a request has no system turn: the probe with its own
+    system turn renders the changed template exactly as the old one, the probe without it does not, and the
+    rendering check reads both (bench/README.md § The loop: a watch that read only the first missed this change)."""
+    target = bundled_target_dir()
+    tokenizer = load_tokenizer(str(target))
+    layout = Layout(target=str(target), target_config_hash=config_hash(target),
+                    tokenizer_hash=tokenizer_hash(tokenizer), num_layers=30, hidden_size=576, vocab_size=49152,
+                    aux_layers=(1, 14, 26))
+    ref = build_reference(layout, {}, [str(target)])
+    changed = load_tokenizer(str(target))
+    changed.chat_template = changed.chat_template.replace("named SmolLM, trained by Hugging Face", "who is terse")
+    assert changed.chat_template != tokenizer.chat_template
+    assert render_prompt(changed, PROBES[0]) == render_prompt(tokenizer, PROBES[0])  # the first probe sees nothing
+    served = [t for probe in PROBES for t in render_prompt(changed, probe)]
+    check = target_checks(ref, _served(served), {})[1]
+    assert check.name == "rendering" and check.state == CHANGED, check
+    assert target_checks(ref, _served(ref.tokens), {})[1].state == SAME

@@ -4,7 +4,8 @@ reading is compared with:
   model      the names the endpoint lists (/v1/models: id and root) ↔ --served-model, else what it listed when this
              watch first ran
   rendering  the probe conversation as the endpoint renders and tokenizes it with its own chat template (/tokenize,
-             the generator's endpoint check: services.generator.endpoint_check) ↔ the same probe rendered by a local
+             the generator's endpoint check: services.generator.endpoint_check), with its system turn and without
+             (where a template writes its default system prompt) ↔ the same probes rendered by a local
              tokenizer whose tokenizer + chat-template hash is the one the drafter's layout records; where no such
              copy is here, ↔ the endpoint's own rendering when this watch first ran (a change, not the training's)
   config     the hash of the weights' config.json (eyas.target.config_hash) ↔ the layout's target_config_hash, where
@@ -26,25 +27,30 @@ from orchestration.watch.status import CHANGED, NOT_CHECKED, SAME, Check
 from services.evaluator.live import auth_headers
 from services.generator.endpoint_check import PROBE, card_name, first_difference, model_cards, tokenize_probe
 
+# The probe with its own system turn, then without one: a template's default system prompt (what a request without a
+# system turn renders) shows only in the second (bench/README.md § The loop)
+PROBES = (PROBE, [m for m in PROBE if m["role"] != "system"])
+
 
 @dataclass
 class Served:
     """What the endpoint shows of its target at one reading."""
     models: list[str]  # 'id (root)' of each model it lists
     roots: list[str]  # each listed model's root (or id): where it was loaded from
-    tokens: list[int] | None  # the probe as it renders it; None without /tokenize
+    tokens: list[int] | None  # the PROBES as it renders them, one after the other; None without /tokenize
     config_hash: str | None = None
     config_note: str = ""  # why there is no config hash
 
     def first_seen(self) -> dict[str, Any]:
-        return {"models": self.models, "tokens": self.tokens}
+        # (a watch's state from before the second probe keeps "tokens": not compared with these)
+        return {"models": self.models, "probe_tokens": self.tokens}
 
 
 @dataclass(frozen=True)
 class Reference:
     """What the served target must be: the drafter's record, and what could be rendered here from it."""
     config_hash: str  # the layout's target_config_hash
-    tokens: list[int] | None  # the probe rendered by the drafter's tokenizer and chat template, where one is here
+    tokens: list[int] | None  # the PROBES rendered by the drafter's tokenizer and chat template, where one is here
     tokens_source: str  # where `tokens` come from, or why there are none
     model: str | None = None  # the name the endpoint must list, as the user gave it
 
@@ -61,7 +67,9 @@ def _config_of(roots: list[str]) -> tuple[str | None, str]:
 
 async def _read(client: httpx.AsyncClient, v1: str, template_kwargs: dict[str, Any]) -> Served:
     cards = await model_cards(client, v1)
-    tokens = await tokenize_probe(client, v1, str(cards[0].get("id")) if cards else "", template_kwargs)
+    model = str(cards[0].get("id")) if cards else ""
+    renderings = [await tokenize_probe(client, v1, model, template_kwargs, probe) for probe in PROBES]
+    tokens = None if any(r is None for r in renderings) else [t for r in renderings if r is not None for t in r]
     roots = [str(c.get("root") or c.get("id")) for c in cards]
     return Served(models=[card_name(c) for c in cards], roots=roots, tokens=tokens)
 
@@ -95,7 +103,8 @@ def build_reference(layout: Layout, template_kwargs: dict[str, Any], candidates:
             continue
         got = tokenizer_hash(tokenizer)
         if got == layout.tokenizer_hash:
-            return Reference(layout.target_config_hash, render_prompt(tokenizer, PROBE, template_kwargs),
+            rendered = [t for probe in PROBES for t in render_prompt(tokenizer, probe, template_kwargs)]
+            return Reference(layout.target_config_hash, rendered,
                              f"the drafter's tokenizer and chat template (hash {got}, from {candidate})", model)
         tried.append(f"{candidate} hashes to {got}")
     why = "; ".join(tried) or "no copy of the target named"
@@ -124,7 +133,8 @@ def _rendering_check(ref: Reference, served: Served, first: dict[str, Any]) -> C
         return Check("rendering", NOT_CHECKED, "the endpoint has no /tokenize")
     want, against = ref.tokens, ref.tokens_source
     if want is None:
-        want, against = first.get("tokens"), f"its own rendering when the watch began, since {ref.tokens_source}"
+        want, against = (first.get("probe_tokens"),
+                         f"its own rendering when the watch began, since {ref.tokens_source}")
     if want is None:
         return Check("rendering", NOT_CHECKED, f"nothing to compare with: {ref.tokens_source}")
     if served.tokens != want:

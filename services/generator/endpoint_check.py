@@ -45,11 +45,11 @@ async def _served_models(client: httpx.AsyncClient, engine: HttpEngine) -> list[
     return [card_name(m) for m in await model_cards(client, engine.url)]
 
 
-async def tokenize_probe(client: httpx.AsyncClient, url: str, model: str,
-                         template_kwargs: dict[str, Any]) -> list[int] | None:
-    """The endpoint's tokens for the probe conversation, rendered with its own chat template (`url` ends in /v1);
-    None when it offers no /tokenize."""
-    body: dict[str, Any] = {"model": model, "messages": PROBE, "add_generation_prompt": True}
+async def tokenize_probe(client: httpx.AsyncClient, url: str, model: str, template_kwargs: dict[str, Any],
+                         messages: list[dict[str, str]] = PROBE) -> list[int] | None:
+    """The endpoint's tokens for the probe conversation (`messages`), rendered with its own chat template (`url`
+    ends in /v1); None when it offers no /tokenize."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": True}
     if template_kwargs:
         body["chat_template_kwargs"] = template_kwargs
     try:  # /tokenize lives beside /v1, not under it
