@@ -69,7 +69,7 @@ async def _read(client: httpx.AsyncClient, v1: str, template_kwargs: dict[str, A
     cards = await model_cards(client, v1)
     model = str(cards[0].get("id")) if cards else ""
     renderings = [await tokenize_probe(client, v1, model, template_kwargs, probe) for probe in PROBES]
-    tokens = None if any(r is None for r in renderings) else [t for r in renderings if r is not None for t in r]
+    tokens = None if None in renderings else [t for r in renderings for t in r]
     roots = [str(c.get("root") or c.get("id")) for c in cards]
     return Served(models=[card_name(c) for c in cards], roots=roots, tokens=tokens)
 

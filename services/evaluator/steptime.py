@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -184,10 +183,10 @@ def _kept_readings(path: Path, tokens: tuple[int, ...]) -> list[tuple[int, list[
     try:
         kept = json.loads(path.read_text())
         points = [(int(n), [float(t) for t in r]) for n, r in kept["points"]]
+        age = time.time() - float(kept["taken"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    fresh = 0 <= time.time() - float(kept.get("taken", -math.inf)) <= READINGS_KEPT_S
-    return points if fresh and tuple(n for n, _ in points) == tokens else None
+    return points if 0 <= age <= READINGS_KEPT_S and tuple(n for n, _ in points) == tokens else None
 
 
 def target_step_times(target: Target, tokens: tuple[int, ...], max_batch: int = max(BATCHES),
