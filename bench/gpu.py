@@ -2,7 +2,7 @@
 Eyas's own extraction, training and speculative-decoding code on one device.
 
     python bench/gpu.py            # Llama-3.1-8B shapes on this process's GPU (EYAS_DEVICE); minutes on one H200
-    python bench/gpu.py --tiny     # the same steps with tiny shapes: seconds on a CPU (tests/test_bench_gpu.py)
+    python bench/gpu.py --tiny     # the same steps with tiny shapes: seconds on a CPU (its check: bench/test_gpu.py)
     python bench/gpu.py --vllm-python PATH   # vLLM's interpreter for the vllm_extract figure (default:
                                              # EYAS_VLLM_PYTHON, else the checkout's .venv-vllm, where it exists)
 

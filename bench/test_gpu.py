@@ -1,5 +1,6 @@
 """bench/gpu.py, the GPU check, runs its whole course on a CPU with tiny shapes and prints its one JSON line (its
-vLLM capture figure too where a vLLM environment is installed)."""
+vLLM capture figure too where a vLLM environment is installed). Only the device check needs it, so it lives with the
+benchmarks, outside the suite: run it before a device run, `.venv/bin/pytest bench/test_gpu.py` (about 45 s)."""
 from __future__ import annotations
 
 import json
