@@ -62,7 +62,8 @@ def rendered() -> tuple[Path, dict[str, list[int]]]:
     from eyas.render import render_prompt
     from orchestration.watch.identity import PROBES
 
-    target, tokenizer = bundled_target_dir(), load_tokenizer(str(bundled_target_dir()))
+    target = bundled_target_dir()
+    tokenizer = load_tokenizer(str(target))
     return target, {"tokens": render_prompt(tokenizer, PROBES[0]), "bare": render_prompt(tokenizer, PROBES[1])}
 
 
