@@ -19,7 +19,7 @@ import redis
 
 from eyas.store import S3Store
 from orchestration.settings import ServiceSettings
-from tests.servers import S3_ACCESS, S3_SECRET, _wait, free_port, redis_server, s3_server, vllm_server
+from tests.servers import S3_ACCESS, S3_SECRET, StartingVllm, _wait, free_port, redis_server, s3_server, vllm_starting
 
 # Extract jobs run the target in transformers unless a test names the vLLM engine (engine: vllm): a capture engine
 # takes ~30 s to start on 2 cores, and tests/test_vllm_capture.py proves it against this path
@@ -42,12 +42,27 @@ def s3_endpoint() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def vllm_url() -> Iterator[str]:
-    """Real vLLM (CPU, fp32, eager) serving the bundled target as model "target"; one per session (~60 s start)."""
+def plain_vllm() -> Iterator[StartingVllm]:
+    """Real vLLM (CPU, fp32, eager) serving the bundled target as model "target"; one per session, launched by
+    start_plain_vllm_early."""
     from eyas.target import bundled_target_dir
 
-    with vllm_server(bundled_target_dir()) as url:
-        yield url
+    with vllm_starting(bundled_target_dir()) as server:
+        yield server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_plain_vllm_early(request: pytest.FixtureRequest) -> None:
+    """Launch the session's plain vLLM before the first test where any collected test uses it: it starts (~20 s)
+    while the tests before its first user run, instead of in that test's time."""
+    if any("vllm_url" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("plain_vllm")
+
+
+@pytest.fixture(scope="session")
+def vllm_url(plain_vllm: StartingVllm) -> str:
+    """The session's plain vLLM's base URL, once it answers."""
+    return plain_vllm.url()
 
 
 BUNDLED_ANSWER_TOKENS = 48  # bundled_features' answers: the longest any of its users decodes

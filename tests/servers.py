@@ -167,11 +167,70 @@ def s3_server() -> Iterator[str]:
 TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+class StartingVllm:
+    """A vLLM server launched and not yet waited for: `url()` waits until it answers /health (once) and returns its
+    base URL. A test does its in-process work between the launch and the first `url()`, while vLLM starts (~20 s,
+    mostly imports on one core).
+
+    Until then this process's torch runs on one thread (_OneTorchThread): two intra-op threads with a core taken by
+    the start wait on each other at every op (measured: greedy decoding of the bundled target 4.9 s alone, 34 s
+    beside a vLLM start on 2 threads, 5.8 s on one)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, timeout: float):
+        self.proc, self.log, self._url, self._timeout = proc, log, url, timeout
+        self._launched, self._ready, self._released = time.monotonic(), False, False
+        _OneTorchThread.enter()
+
+    def url(self) -> str:
+        if not self._ready:
+            left = self._timeout - (time.monotonic() - self._launched)
+            try:
+                _wait(lambda: httpx.get(f"{self._url}/health", timeout=2).status_code == 200, left, "vLLM",
+                      self.proc, self.log)
+            except (RuntimeError, TimeoutError) as e:  # the root cause is often far above the log's tail
+                raise type(e)(f"{e}\nroot cause: {root_cause(self.log.read_text(errors='replace'))}") from None
+            finally:
+                self.done_starting()
+            self._ready = True
+        return self._url
+
+    def done_starting(self) -> None:
+        """Give torch its threads back (once): the server answers, failed, or is being stopped."""
+        if not self._released:
+            self._released = True
+            _OneTorchThread.leave()
+
+
+class _OneTorchThread:
+    """torch on one thread while any vLLM server launched by this process is starting; its own count after."""
+
+    starting = 0
+    threads = 0
+
+    @classmethod
+    def enter(cls) -> None:
+        import torch
+
+        if cls.starting == 0:
+            cls.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        cls.starting += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        import torch
+
+        cls.starting -= 1
+        if cls.starting == 0:
+            torch.set_num_threads(cls.threads)
+
+
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
-                served_name: str = "target", timeout: float = 420, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
-    """Real vLLM on CPU (fp32, eager: ready in about a minute) serving `model_dir`, with `extra_args` on its command
-    line (e.g. a reasoning parser). Yields the base URL."""
+def vllm_starting(model_dir: Path, speculative_config: dict | None = None, max_model_len: int = 2048,
+                  served_name: str = "target", timeout: float = 420,
+                  extra_args: tuple[str, ...] = ()) -> Iterator[StartingVllm]:
+    """Real vLLM on CPU (fp32, eager) serving `model_dir`, with `extra_args` on its command line (e.g. a reasoning
+    parser), launched and yielded at once: its `url()` waits for it. Stopped on leaving."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} missing: run scripts/install-vllm.sh")
     port = free_port()
@@ -189,13 +248,17 @@ def vllm_server(model_dir: Path, speculative_config: dict | None = None, max_mod
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logdir,
                                 start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = StartingVllm(proc, f"http://127.0.0.1:{port}", log, timeout)
     try:
-        try:
-            _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, "vLLM", proc, log)
-        except (RuntimeError, TimeoutError) as e:  # the root cause is often far above the log's tail
-            raise type(e)(f"{e}\nroot cause: {root_cause(log.read_text(errors='replace'))}") from None
-        yield url
+        yield server
     finally:
+        server.done_starting()
         stop_process(proc, wait_s=20, group=True)
         shutil.rmtree(logdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, speculative_config: dict | None = None, **kwargs) -> Iterator[str]:
+    """vllm_starting's server, waited for: yields the base URL once it answers."""
+    with vllm_starting(model_dir, speculative_config, **kwargs) as server:
+        yield server.url()

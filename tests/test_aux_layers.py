@@ -21,7 +21,7 @@ from orchestration.embedded import EmbeddedRunner
 from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
-from tests.servers import vllm_server
+from tests.servers import vllm_starting
 from tests.test_evaluator import local_path
 from tests.test_vllm_spec_decode import agree
 
@@ -66,13 +66,13 @@ def test_trains_exports_and_evaluates(drafter):
 def test_vllm_serves_it_and_acceptance_agrees(drafter):
     """Served by vLLM-CPU: the 4-aux layout that does not start at out(1)."""
     _, uri, prompt_file, aux = drafter
-    target = load_target(BUNDLED)
-    d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
-    prompts = eval_prompts(target.tokenizer, str(prompt_file))
-    ours = measure_acceptance(target, d, aux, prompts, K, MAX_TOKENS)
     spec_config = {"method": "eagle3", "model": str(local_path(uri) / "eagle"), "num_speculative_tokens": K}
-    with vllm_server(bundled_target_dir(), speculative_config=spec_config) as url:
-        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    with vllm_starting(bundled_target_dir(), speculative_config=spec_config) as server:  # starts while we decode
+        target = load_target(BUNDLED)
+        d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
+        prompts = eval_prompts(target.tokenizer, str(prompt_file))
+        ours = measure_acceptance(target, d, aux, prompts, K, MAX_TOKENS)
+        vllm = timed_completions(server.url(), prompts, MAX_TOKENS, counters=True)
     assert ours["matches_greedy"] and vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
     assert ours["accepted"] > 0 and vllm["accepted"] > 0  # trained on these prompts' answers: it accepts
     agree(ours, vllm)

@@ -55,7 +55,7 @@ from services.evaluator.specdec import eval_prompts, greedy, measure_acceptance,
 from services.generator.endpoint_check import EndpointServesAnotherModel
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
-from tests.servers import REPO, VLLM_PYTHON, vllm_server
+from tests.servers import REPO, VLLM_PYTHON, vllm_starting
 from tests.test_evaluator import PROMPTS, local_path
 from tests.test_vllm_capture import assert_same_features
 from tests.test_vllm_spec_decode import agree
@@ -280,16 +280,17 @@ def test_speculators_library_loads_the_export_and_its_forward_equals_ours(pipeli
 
 @pytest.fixture(scope="module")
 def served(pipeline):
-    """vLLM serving the case's target with its drafter (and the family's reasoning parser)."""
+    """vLLM serving the case's target with its drafter (and the family's reasoning parser): launched here, waited
+    for at its first `url()` (the first test decodes in-process meanwhile)."""
     family = pipeline["family"]
     if pipeline["case"] in NOT_SERVED:
         pytest.skip(f"not served: {NOT_SERVED[pipeline['case']]}")
     drafter = local_path(pipeline["jobs"]["train"].artifacts["output"]) / "eagle"
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
     parser = REASONING_PARSERS.get(family)
-    with vllm_server(Path(pipeline["target"]), speculative_config=spec,
-                     extra_args=("--reasoning-parser", parser) if parser else ()) as url:
-        yield url
+    with vllm_starting(Path(pipeline["target"]), speculative_config=spec,
+                       extra_args=("--reasoning-parser", parser) if parser else ()) as server:
+        yield server
 
 
 def known_limit(family: str, part: str, answer: str) -> None:
@@ -306,12 +307,12 @@ def test_vllm_serves_the_drafter_and_acceptance_agrees(pipeline, served):
     d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
     layout = Layout.from_dict(read_manifest(open_artifact(uri), kind="drafter").layout)
     prompts = eval_prompts(target.tokenizer, str(pipeline["prompts"]), template_kwargs=pipeline["kwargs"])
-    vllm = timed_completions(served, prompts, MAX_TOKENS, counters=True)
-    assert vllm["drafts"] > 0  # vLLM loaded the drafter and drafted with it
     ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
     # the target alone: vLLM's greedy output must be transformers' (what the comparison of counts relies on); where
     # it is not, the limit names both τ, measured on different token streams
     reference = greedy(target, [p.ids for p in prompts], MAX_TOKENS, stop_ids(target))
+    vllm = timed_completions(served.url(), prompts, MAX_TOKENS, counters=True)
+    assert vllm["drafts"] > 0  # vLLM loaded the drafter and drafted with it
     for p, out, ref in zip(prompts, vllm["outputs"], reference, strict=True):
         if out != ref:
             at = next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
@@ -327,6 +328,7 @@ def test_vllm_serves_the_drafter_and_acceptance_agrees(pipeline, served):
 @pytest.mark.vllm
 def test_generate_through_vllm_checks_the_endpoint_and_keeps_reasoning(pipeline, served, targets):
     emb, work, kwargs, family = pipeline["emb"], pipeline["work"], pipeline["kwargs"], pipeline["family"]
+    served = served.url()
     sampling = {"max_tokens": 12, "temperature": 0.0, "chat_template_kwargs": kwargs}
     # the server asked to generate for another family's target: refused before the first prompt, naming both
     other = targets(next(f for f in FAMILIES if f != family and not {f, family} <= {"qwen3", "qwen3-moe"}))

@@ -34,7 +34,7 @@ from services.evaluator.wiring import check_wiring
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
 from tests.quantized import quantize_target
-from tests.servers import vllm_server
+from tests.servers import vllm_starting
 from tests.test_evaluator import PROMPTS, local_path, write_prompts
 
 FMT = "w8a8-int8-asym"
@@ -89,15 +89,15 @@ def test_the_captured_precision_travels_and_the_wiring_check_warns_on_another(pi
 @pytest.mark.vllm
 def test_vllm_serves_the_drafter_on_the_quantized_target(pipeline):
     uri = pipeline["jobs"]["train"].artifacts["output"]
-    target = load_target(pipeline["target"])
-    d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
-    layout = Layout.from_dict(read_manifest(open_artifact(uri), kind="drafter").layout)
-    prompts = eval_prompts(target.tokenizer, str(pipeline["prompts"]))
     spec = {"method": "eagle3", "model": str(local_path(uri) / "eagle"), "num_speculative_tokens": K}
-    with vllm_server(Path(pipeline["target"]), speculative_config=spec) as url:
-        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
-    ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
-    reference = greedy(target, [p.ids for p in prompts], MAX_TOKENS, stop_ids(target))
+    with vllm_starting(Path(pipeline["target"]), speculative_config=spec) as server:  # starts while we decode
+        target = load_target(pipeline["target"])
+        d, _ = load_drafter(local_path(uri) / "eagle", target.model.get_input_embeddings().weight.detach())
+        layout = Layout.from_dict(read_manifest(open_artifact(uri), kind="drafter").layout)
+        prompts = eval_prompts(target.tokenizer, str(pipeline["prompts"]))
+        ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
+        reference = greedy(target, [p.ids for p in prompts], MAX_TOKENS, stop_ids(target))
+        vllm = timed_completions(server.url(), prompts, MAX_TOKENS, counters=True)
     agree = [next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), len(ref))
              for out, ref in zip(vllm["outputs"], reference, strict=True)]
     print(f"\n{FMT}: τ vLLM {vllm['acceptance_length']:.3f} ({vllm['drafts']} drafts, {vllm['accepted']} accepted), "

@@ -43,7 +43,7 @@ from services.evaluator.live import read_counters, timed_completions
 from services.evaluator.specdec import eval_prompts, measure_acceptance
 from services.trainer.spec import CPU_PRESET
 from tests.conftest import BUNDLED_ANSWER_TOKENS
-from tests.servers import TEST_SERVER_ENV, VLLM_PYTHON, vllm_server
+from tests.servers import TEST_SERVER_ENV, VLLM_PYTHON, vllm_starting
 from tests.test_evaluator import local_path
 
 pytestmark = pytest.mark.vllm
@@ -66,10 +66,12 @@ def trained(tmp_path_factory, bundled_features):
 
 @pytest.fixture(scope="module")
 def served(trained):
+    """The drafter served by vLLM: launched here, waited for at its first `url()` (the first test decodes in-process
+    meanwhile)."""
     _, drafter, _ = trained
     spec_config = {"method": "eagle3", "model": str(local_path(drafter) / "eagle"), "num_speculative_tokens": K}
-    with vllm_server(bundled_target_dir(), speculative_config=spec_config) as url:
-        yield url
+    with vllm_starting(bundled_target_dir(), speculative_config=spec_config) as server:
+        yield server
 
 
 def agree(ours: dict, vllm: dict) -> None:
@@ -89,7 +91,7 @@ def test_exported_drafter_serves_in_vllm_and_acceptance_agrees(trained, served):
     layout = Layout.from_dict(read_manifest(open_artifact(drafter), kind="drafter").layout)
     prompts = eval_prompts(target.tokenizer, str(prompt_file))
     ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
-    vllm = timed_completions(served, prompts, MAX_TOKENS, counters=True)
+    vllm = timed_completions(served.url(), prompts, MAX_TOKENS, counters=True)
 
     # the drafter loaded and served every request, and both produce the target's own greedy output
     assert ours["matches_greedy"], ours["greedy_mismatches"]
@@ -102,7 +104,7 @@ def test_exported_drafter_serves_in_vllm_and_acceptance_agrees(trained, served):
 def test_evaluate_stage_reports_vllm_acceptance_beside_its_own(trained, served):
     emb, drafter, _ = trained
     [job] = emb.run_job("evaluate", {"drafter": drafter, "num_prompts": 3, "k": K, "max_new_tokens": 32,
-                                     "spec_endpoint": served, "second_prompts": None})
+                                     "spec_endpoint": served.url(), "second_prompts": None})
     assert job.state == "succeeded", job.error
     report = json.loads(open_artifact(job.artifacts["output"]).get_bytes("report.json"))
     ours, vllm = report["in_process"], report["live"]["speculative"]
@@ -118,16 +120,17 @@ def test_the_watch_reads_the_served_acceptance_and_knows_the_target(trained, ser
     drafts and τ (vLLM's own counts between the readings), judged against a baseline; the endpoint's model and its
     /tokenize rendering are the drafter's recorded target's (the bundled target, its tokenizer here)."""
     emb, drafter, prompt_file = trained
+    endpoint = served.url()
     prompts = eval_prompts(load_target(BUNDLED).tokenizer, str(prompt_file))[:3]
     settings = Settings(workdir=tmp_path / "eyas")
-    first = timed_completions(served, prompts, MAX_TOKENS, counters=True)
-    watch = open_watch(WatchSettings(endpoint=served, drafter=drafter, baseline=first["acceptance_length"],
+    first = timed_completions(endpoint, prompts, MAX_TOKENS, counters=True)
+    watch = open_watch(WatchSettings(endpoint=endpoint, drafter=drafter, baseline=first["acceptance_length"],
                                      min_drafts=1, window=1), settings, traffic_store(settings))
     # the readings after vLLM's counters settle (the last requests' drafts land there with a lag)
-    before = read_counters(served)
+    before = read_counters(endpoint)
     watch.check()  # the first reading: the engine's totals so far
-    timed_completions(served, prompts, MAX_TOKENS)
-    interval = (read_counters(served) - before).summary()
+    timed_completions(endpoint, prompts, MAX_TOKENS)
+    interval = (read_counters(endpoint) - before).summary()
     status = watch.check()
     assert status.drafts == interval["drafts"] > 0
     assert status.tau == pytest.approx(interval["acceptance_length"])
@@ -239,24 +242,24 @@ def test_peagle_from_the_same_features_serves_with_parallel_drafting(trained):
                                   "warmup": 5, "val_interval": 0})
     assert job.state == "succeeded", job.error
     eagle_dir = local_path(job.artifacts["output"]) / "eagle"
-    config = json.loads((eagle_dir / "config.json").read_text())
-    target = load_target(BUNDLED)
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["mask_token_id"] == target.model.config.vocab_size - 1
-    spec_cfg = json.loads((eagle_dir.parent / "speculators" / "config.json").read_text())
-    assert spec_cfg["speculators_model_type"] == "peagle" and spec_cfg["mask_token_id"] == config["mask_token_id"]
-    d, _ = load_drafter(eagle_dir, target.model.get_input_embeddings().weight.detach())
-    assert d.cfg.mask_token_id == config["mask_token_id"] and d.mask_hidden.abs().sum() > 0  # trained, not the init
-    layout = Layout.from_dict(read_manifest(open_artifact(job.artifacts["output"]), kind="drafter").layout)
-    prompts = eval_prompts(target.tokenizer, str(prompt_file))
-    ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
-    per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
-                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, 7))
-    assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
     serve = get_method("peagle").speculative_config(str(eagle_dir), K)
     assert serve["parallel_drafting"] is True
-    with vllm_server(bundled_target_dir(), speculative_config=serve) as url:
-        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    with vllm_starting(bundled_target_dir(), speculative_config=serve) as server:  # it starts while we decode
+        config = json.loads((eagle_dir / "config.json").read_text())
+        target = load_target(BUNDLED)
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["mask_token_id"] == target.model.config.vocab_size - 1
+        spec_cfg = json.loads((eagle_dir.parent / "speculators" / "config.json").read_text())
+        assert spec_cfg["speculators_model_type"] == "peagle" and spec_cfg["mask_token_id"] == config["mask_token_id"]
+        d, _ = load_drafter(eagle_dir, target.model.get_input_embeddings().weight.detach())
+        assert d.cfg.mask_token_id == config["mask_token_id"] and d.mask_hidden.abs().sum() > 0  # trained
+        layout = Layout.from_dict(read_manifest(open_artifact(job.artifacts["output"]), kind="drafter").layout)
+        prompts = eval_prompts(target.tokenizer, str(prompt_file))
+        ours = measure_acceptance(target, d, layout.aux_layers, prompts, K, MAX_TOKENS)
+        per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], 7)
+                        for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, 7))
+        assert (per_k[K]["drafts"], per_k[K]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
+        vllm = timed_completions(server.url(), prompts, MAX_TOKENS, counters=True)
     assert ours["matches_greedy"], ours["greedy_mismatches"]
     assert vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
     assert ours["accepted"] > 0 and vllm["accepted"] > 0
@@ -278,19 +281,20 @@ def test_dflash_from_the_same_features_serves_in_vllm(trained):
     layout = Layout.from_dict(manifest.layout)
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == list(layout.aux_layers)  # vLLM captures each + 1
-    target = load_target(BUNDLED)
-    d, _ = load_drafter(out, target.model.get_input_embeddings().weight.detach(),
-                        lm_head_weight=target.model.get_output_embeddings().weight.detach())
-    k = d.cfg.block_size - 1
+    k = config["block_size"] - 1
     assert k == CPU_PRESET["ttt_steps"]
-    prompts = eval_prompts(target.tokenizer, str(prompt_file))
-    ours = measure_acceptance(target, d, layout.aux_layers, prompts, k, MAX_TOKENS)
-    per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], k)
-                    for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, k))
-    assert (per_k[k]["drafts"], per_k[k]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
-    with vllm_server(bundled_target_dir(), speculative_config=get_method("dflash").speculative_config(str(out), k)) \
-            as url:
-        vllm = timed_completions(url, prompts, MAX_TOKENS, counters=True)
+    serve = get_method("dflash").speculative_config(str(out), k)
+    with vllm_starting(bundled_target_dir(), speculative_config=serve) as server:  # it starts while we decode
+        target = load_target(BUNDLED)
+        d, _ = load_drafter(out, target.model.get_input_embeddings().weight.detach(),
+                            lm_head_weight=target.model.get_output_embeddings().weight.detach())
+        assert d.cfg.block_size - 1 == k
+        prompts = eval_prompts(target.tokenizer, str(prompt_file))
+        ours = measure_acceptance(target, d, layout.aux_layers, prompts, k, MAX_TOKENS)
+        per_k = replay([run_lengths(target, d, layout.aux_layers, p.ids, r["output"], k)
+                        for p, r in zip(prompts, ours["per_prompt"], strict=True)], drafted_ks(d, k))
+        assert (per_k[k]["drafts"], per_k[k]["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"])
+        vllm = timed_completions(server.url(), prompts, MAX_TOKENS, counters=True)
     assert ours["matches_greedy"], ours["greedy_mismatches"]
     assert vllm["outputs"] == [p["output"] for p in ours["per_prompt"]]
     assert ours["accepted"] > 0 and vllm["accepted"] > 0
