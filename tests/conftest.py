@@ -59,6 +59,13 @@ def start_plain_vllm_early(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("plain_vllm")
 
 
+@pytest.fixture(autouse=True)
+def settle_started_vllm() -> None:
+    """Before each test: torch gets its threads back from any launched vLLM server that has finished starting
+    (tests.servers.StartingVllm)."""
+    StartingVllm.settle()
+
+
 @pytest.fixture(scope="session")
 def vllm_url(plain_vllm: StartingVllm) -> str:
     """The session's plain vLLM's base URL, once it answers."""

@@ -172,14 +172,19 @@ class StartingVllm:
     base URL. A test does its in-process work between the launch and the first `url()`, while vLLM starts (~20 s,
     mostly imports on one core).
 
-    Until then this process's torch runs on one thread (_OneTorchThread): two intra-op threads with a core taken by
-    the start wait on each other at every op (measured: greedy decoding of the bundled target 4.9 s alone, 34 s
-    beside a vLLM start on 2 threads, 5.8 s on one)."""
+    Until it answers this process's torch runs on one thread (_OneTorchThread): two intra-op threads with a core taken
+    by the start wait on each other at every op (measured: greedy decoding of the bundled target 4.9 s alone, 34 s
+    beside a vLLM start on 2 threads, 5.8 s on one). `settle()` (conftest.py, before each test) gives the threads back
+    for a server that answers before anyone asked for its URL.
+    """
+
+    pending: list[StartingVllm] = []
 
     def __init__(self, proc: subprocess.Popen, url: str, log: Path, timeout: float):
         self.proc, self.log, self._url, self._timeout = proc, log, url, timeout
         self._launched, self._ready, self._released = time.monotonic(), False, False
         _OneTorchThread.enter()
+        StartingVllm.pending.append(self)
 
     def url(self) -> str:
         if not self._ready:
@@ -198,7 +203,19 @@ class StartingVllm:
         """Give torch its threads back (once): the server answers, failed, or is being stopped."""
         if not self._released:
             self._released = True
+            StartingVllm.pending.remove(self)
             _OneTorchThread.leave()
+
+    @classmethod
+    def settle(cls) -> None:
+        """Give torch its threads back for each launched server that answers now or has exited."""
+        for server in list(cls.pending):
+            try:
+                up = httpx.get(f"{server._url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                up = False
+            if up or server.proc.poll() is not None:
+                server.done_starting()
 
 
 class _OneTorchThread:

@@ -19,7 +19,7 @@ from orchestration.embedded import EmbeddedRunner
 from services.evaluator.diagnose import significant
 from services.trainer.spec import CPU_PRESET
 from tests.families import FAMILIES, build_target
-from tests.servers import vllm_server
+from tests.servers import vllm_starting
 from tests.test_evaluator import PROMPTS, local_path
 from tests.test_families import write_prompts
 
@@ -118,6 +118,27 @@ def assert_same_export(fixed: Path, original: Path) -> None:
         assert torch.equal(ours[name], tensor), name
 
 
+@pytest.fixture(scope="module")
+def shifted_serving(trained, request):
+    """vLLM-CPU serving the drafter with its aux ids off by one, launched as the first diagnosis starts: it starts
+    (~20 s) while the in-process diagnoses run. None where no selected test is served."""
+    if not any("shifted_served" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    bad = broken(trained, "served-ids+1", config=shift_ids)
+    with vllm_starting(Path(trained["target"]), speculative_config={
+            "method": "eagle3", "num_speculative_tokens": K, "model": str(bad)}) as server:
+        yield bad, server
+
+
+@pytest.fixture(scope="module")
+def shifted_served(shifted_serving) -> tuple[Path, str]:
+    """The off-by-one drafter's export and its server's URL, once it answers."""
+    bad, server = shifted_serving
+    return bad, server.url()
+
+
+@pytest.mark.usefixtures("shifted_serving")  # launched now, so that it starts while the diagnoses run
 @pytest.mark.parametrize("case", list(BREAKS))
 def test_a_broken_drafter_is_diagnosed_and_its_fix_undoes_the_break(trained, unbroken, case):
     how, cause = BREAKS[case]
@@ -153,14 +174,12 @@ def test_traffic_rendered_in_another_thinking_mode_is_named(qwen3):
 
 
 @pytest.mark.vllm
-def test_a_served_drafter_is_diagnosed_from_the_engines_counters(trained, unbroken):
+def test_a_served_drafter_is_diagnosed_from_the_engines_counters(trained, unbroken, shifted_served):
     """The off-by-one ids served by vLLM-CPU: its own spec-decode counters show the loss, the cause is named, and the
     fix's τ is the unbroken drafter's. (The fixed export serves at its in-process τ: the in-process measure is vLLM's,
     tests/test_vllm_spec_decode.py; one server start here, not two.)"""
-    bad = broken(trained, "served-ids+1", config=shift_ids)
-    spec = {"method": "eagle3", "num_speculative_tokens": K}
-    with vllm_server(Path(trained["target"]), speculative_config={**spec, "model": str(bad)}) as url:
-        d = diagnose(trained, bad, endpoint=url, write_fixed=True)
+    bad, url = shifted_served
+    d = diagnose(trained, bad, endpoint=url, write_fixed=True)
     assert d["cause"] == "aux ids -1", d["verdict"]
     served_broken = d["acceptance"]["served"]
     assert served_broken == pytest.approx(d["acceptance"]["in_process"], abs=0.02)  # it serves as configured

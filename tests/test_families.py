@@ -170,6 +170,7 @@ def pipeline(request, targets, tmp_path_factory):
             "emb": emb, "prompts": prompts, "jobs": {j.stage: j for j in jobs}}
 
 
+@pytest.mark.usefixtures("serving")  # launched now, so that it starts while this case's next tests run
 def test_generate_extract_train_export_evaluate(pipeline):
     jobs, kwargs = pipeline["jobs"], pipeline["kwargs"]
     dataset = read_manifest(open_artifact(jobs["generate"].artifacts["output"]), kind="dataset")
@@ -279,18 +280,27 @@ def test_speculators_library_loads_the_export_and_its_forward_equals_ours(pipeli
 
 
 @pytest.fixture(scope="module")
-def served(pipeline):
-    """vLLM serving the case's target with its drafter (and the family's reasoning parser): launched here, waited
-    for at its first `url()` (the first test decodes in-process meanwhile)."""
-    family = pipeline["family"]
-    if pipeline["case"] in NOT_SERVED:
-        pytest.skip(f"not served: {NOT_SERVED[pipeline['case']]}")
+def serving(pipeline, request):
+    """vLLM serving the case's target with its drafter (and the family's reasoning parser), launched as the case's
+    first test starts: it starts (~20 s) while the in-process and capture tests run, and the served tests wait for it.
+    None where the case is not served or no selected test is."""
+    if pipeline["case"] in NOT_SERVED or not any("served" in item.fixturenames for item in request.session.items):
+        yield None
+        return
     drafter = local_path(pipeline["jobs"]["train"].artifacts["output"]) / "eagle"
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
-    parser = REASONING_PARSERS.get(family)
+    parser = REASONING_PARSERS.get(pipeline["family"])
     with vllm_starting(Path(pipeline["target"]), speculative_config=spec,
                        extra_args=("--reasoning-parser", parser) if parser else ()) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def served(pipeline, serving):
+    """The case's vLLM server, once it answers."""
+    if pipeline["case"] in NOT_SERVED:
+        pytest.skip(f"not served: {NOT_SERVED[pipeline['case']]}")
+    return serving.url()
 
 
 def known_limit(family: str, part: str, answer: str) -> None:
@@ -311,7 +321,7 @@ def test_vllm_serves_the_drafter_and_acceptance_agrees(pipeline, served):
     # the target alone: vLLM's greedy output must be transformers' (what the comparison of counts relies on); where
     # it is not, the limit names both τ, measured on different token streams
     reference = greedy(target, [p.ids for p in prompts], MAX_TOKENS, stop_ids(target))
-    vllm = timed_completions(served.url(), prompts, MAX_TOKENS, counters=True)
+    vllm = timed_completions(served, prompts, MAX_TOKENS, counters=True)
     assert vllm["drafts"] > 0  # vLLM loaded the drafter and drafted with it
     for p, out, ref in zip(prompts, vllm["outputs"], reference, strict=True):
         if out != ref:
@@ -328,7 +338,6 @@ def test_vllm_serves_the_drafter_and_acceptance_agrees(pipeline, served):
 @pytest.mark.vllm
 def test_generate_through_vllm_checks_the_endpoint_and_keeps_reasoning(pipeline, served, targets):
     emb, work, kwargs, family = pipeline["emb"], pipeline["work"], pipeline["kwargs"], pipeline["family"]
-    served = served.url()
     sampling = {"max_tokens": 12, "temperature": 0.0, "chat_template_kwargs": kwargs}
     # the server asked to generate for another family's target: refused before the first prompt, naming both
     other = targets(next(f for f in FAMILIES if f != family and not {f, family} <= {"qwen3", "qwen3-moe"}))
