@@ -16,6 +16,7 @@ _ = (
     _.run_job,  # the Celery task (orchestration.tasks), called by the worker by its registered name
     _.model_config,  # pydantic / pydantic-settings class configuration
     _.pytestmark,  # pytest module-level marks
+    _.start_plain_vllm_early, _.settle_started_vllm,  # autouse pytest fixtures (tests/conftest.py)
     _.should_exit,  # uvicorn.Server polls it to stop (tests/test_proxy.py serves apps in a thread)
     # pydantic validators, run by the model on validation (eyas.manifest, eyas.settings, eyas.stage, the specs)
     _._no_secret, _._comma_separated, _._json_numbers, _._has_source, _._one_fc_norm,
