@@ -51,11 +51,17 @@ def plain_vllm() -> Iterator[StartingVllm]:
         yield server
 
 
+def selected_use(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether any test this session runs (after -k/-m selection) uses `fixture`: a server launched ahead of its
+    first user is launched only then."""
+    return any(fixture in item.fixturenames for item in request.session.items)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def start_plain_vllm_early(request: pytest.FixtureRequest) -> None:
-    """Launch the session's plain vLLM before the first test where any collected test uses it: it starts (~20 s)
+    """Launch the session's plain vLLM before the first test where any selected test uses it: it starts (~20 s)
     while the tests before its first user run, instead of in that test's time."""
-    if any("vllm_url" in item.fixturenames for item in request.session.items):
+    if selected_use(request, "vllm_url"):
         request.getfixturevalue("plain_vllm")
 
 

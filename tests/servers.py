@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import torch
 
 from services.evaluator.launch import root_cause
 from services.evaluator.launch import stop as stop_process
@@ -172,18 +173,21 @@ class StartingVllm:
     base URL. A test does its in-process work between the launch and the first `url()`, while vLLM starts (~20 s,
     mostly imports on one core).
 
-    Until it answers this process's torch runs on one thread (_OneTorchThread): two intra-op threads with a core taken
-    by the start wait on each other at every op (measured: greedy decoding of the bundled target 4.9 s alone, 34 s
-    beside a vLLM start on 2 threads, 5.8 s on one). `settle()` (conftest.py, before each test) gives the threads back
-    for a server that answers before anyone asked for its URL.
+    While any launched server has not answered, this process's torch runs on one thread: two intra-op threads with a
+    core taken by the start wait on each other at every op (measured: greedy decoding of the bundled target 4.9 s
+    alone, 34 s beside a vLLM start on 2 threads, 5.8 s on one). `settle()` (conftest.py, before each test) gives the
+    threads back for a server that answers before anyone asked for its URL.
     """
 
-    pending: list[StartingVllm] = []
+    pending: list[StartingVllm] = []  # launched, not yet answering (or failed, or stopped)
+    torch_threads = 0  # torch's own count, given back when `pending` empties
 
     def __init__(self, proc: subprocess.Popen, url: str, log: Path, timeout: float):
         self.proc, self.log, self._url, self._timeout = proc, log, url, timeout
-        self._launched, self._ready, self._released = time.monotonic(), False, False
-        _OneTorchThread.enter()
+        self._launched, self._ready = time.monotonic(), False
+        if not StartingVllm.pending:
+            StartingVllm.torch_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
         StartingVllm.pending.append(self)
 
     def url(self) -> str:
@@ -201,10 +205,10 @@ class StartingVllm:
 
     def done_starting(self) -> None:
         """Give torch its threads back (once): the server answers, failed, or is being stopped."""
-        if not self._released:
-            self._released = True
+        if self in StartingVllm.pending:
             StartingVllm.pending.remove(self)
-            _OneTorchThread.leave()
+            if not StartingVllm.pending:
+                torch.set_num_threads(StartingVllm.torch_threads)
 
     @classmethod
     def settle(cls) -> None:
@@ -216,30 +220,6 @@ class StartingVllm:
                 up = False
             if up or server.proc.poll() is not None:
                 server.done_starting()
-
-
-class _OneTorchThread:
-    """torch on one thread while any vLLM server launched by this process is starting; its own count after."""
-
-    starting = 0
-    threads = 0
-
-    @classmethod
-    def enter(cls) -> None:
-        import torch
-
-        if cls.starting == 0:
-            cls.threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-        cls.starting += 1
-
-    @classmethod
-    def leave(cls) -> None:
-        import torch
-
-        cls.starting -= 1
-        if cls.starting == 0:
-            torch.set_num_threads(cls.threads)
 
 
 @contextlib.contextmanager

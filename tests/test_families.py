@@ -54,6 +54,7 @@ from services.evaluator.live import timed_completions
 from services.evaluator.specdec import eval_prompts, greedy, measure_acceptance, stop_ids
 from services.generator.endpoint_check import EndpointServesAnotherModel
 from services.trainer.spec import CPU_PRESET
+from tests.conftest import selected_use
 from tests.families import FAMILIES, build_target
 from tests.servers import REPO, VLLM_PYTHON, vllm_starting
 from tests.test_evaluator import PROMPTS, local_path
@@ -284,7 +285,7 @@ def serving(pipeline, request):
     """vLLM serving the case's target with its drafter (and the family's reasoning parser), launched as the case's
     first test starts: it starts (~20 s) while the in-process and capture tests run, and the served tests wait for it.
     None where the case is not served or no selected test is."""
-    if pipeline["case"] in NOT_SERVED or not any("served" in item.fixturenames for item in request.session.items):
+    if pipeline["case"] in NOT_SERVED or not selected_use(request, "served"):
         yield None
         return
     drafter = local_path(pipeline["jobs"]["train"].artifacts["output"]) / "eagle"
